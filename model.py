@@ -1,0 +1,325 @@
+"""
+model.py: a compact Qwen3-family decoder (dense and MoE) shared by the trainer and the rollout engine.
+
+What it is:
+    RMSNorm, rotary position embeddings, grouped-query attention with per-head q/k RMSNorm, a SwiGLU MLP,
+    and the Qwen3-MoE block (softmax router, top-k experts, optional renormalisation of the top-k weights).
+    Parameter names mirror Hugging Face's, so a checkpoint maps one to one onto `state_dict()`.
+
+    model = Transformer.from_pretrained("Qwen/Qwen3-0.6B")      # hub name (online) or a local folder
+    logits = model(idx)                                         # (B, T, V) training forward, right padding ok
+    model.save_pretrained("out/ckpt")                           # config.json + model.safetensors, loads in transformers
+
+Where the attention happens:
+    `Attention.forward` computes q, k, v and then makes exactly one call: SDPA (training), flash-attn varlen
+    (packed training on a GPU), or `cache.attend(layer, q, k, v)` when a KV cache is passed. The rollout engine
+    owns the cache object, so it decides there whether a decode step reads every KV page or a sparse subset.
+
+Simplifications:
+    1. No sliding-window attention, no rope scaling variants (Qwen3's dense and MoE checkpoints use neither).
+    2. MoE experts run as a loop over the experts that received tokens, like the reference implementation;
+       good enough for small expert counts, not a grouped-GEMM kernel.
+    3. No dropout (RL fine-tuning runs without it).
+"""
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:  # optional: packed (no padding) training on a CUDA machine
+    from flash_attn import flash_attn_varlen_func
+except Exception:  # ImportError, or a broken CUDA install
+    flash_attn_varlen_func = None
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 128
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    # MoE (num_experts == 0 means dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, d):
+        """Read a transformers config.json dict (Qwen3 or Qwen3-MoE, old and new key spellings)."""
+        if d.get("model_type") not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"model_type {d.get('model_type')!r} is not supported: zeros implements qwen3 and qwen3_moe")
+        d = dict(d)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+        d.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+        if "num_experts" not in d and "num_local_experts" in d:
+            d["num_experts"] = d["num_local_experts"]
+        if d.get("model_type") == "qwen3":
+            d["num_experts"] = 0
+        if d.get("head_dim") is None:
+            d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_hf(self):
+        moe = self.num_experts > 0
+        d = {k: getattr(self, k) for k in (f.name for f in fields(self))}
+        if not moe:
+            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                      "decoder_sparse_step", "mlp_only_layers"):
+                d.pop(k)
+        d.update(model_type="qwen3_moe" if moe else "qwen3",
+                 architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+                 hidden_act="silu", torch_dtype="float32", use_sliding_window=False, sliding_window=None,
+                 rope_scaling=None)
+        return d
+
+    def is_moe_layer(self, i):
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype  # normalise in fp32, scale in the input dtype (as the reference does)
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(pos, head_dim, theta, dtype):
+    """pos: (B, T) integer positions -> cos, sin: (B, 1, T, head_dim)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    freqs = pos.float()[..., None] * inv_freq  # (B, T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def packed_causal_mask(cu_seqlens, total, device):
+    """Block-diagonal causal mask for sequences packed back to back: (1, 1, total, total) bool."""
+    seg = torch.zeros(total, dtype=torch.long, device=device)
+    seg[cu_seqlens[1:-1].long()] = 1
+    seg = seg.cumsum(0)  # segment id of every packed token
+    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    return (causal & (seg[:, None] == seg[None, :]))[None, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.layer_idx, self.hd = layer_idx, cfg.head_dim
+        self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        b = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=b)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache=None, cu_seqlens=None, max_seqlen=None):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # --- the one attention call: the engine's cache (dense or block-sparse), packed, or plain causal ---
+        if cache is not None:
+            y = cache.attend(self.layer_idx, q, k, v)  # (B, Hq, T, D)
+        elif cu_seqlens is not None and flash_attn_varlen_func is not None and x.is_cuda:
+            y = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                       cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+            y = y.transpose(0, 1)[None]  # (1, Hq, total, D)
+        elif cu_seqlens is not None:  # the same packing on SDPA, with a block-diagonal mask (reference path)
+            mask = packed_causal_mask(cu_seqlens, T, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:  # right padding is safe under a causal mask: real tokens never see the pads after them
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Softmax router over all experts, keep the top-k, optionally renormalise them to sum to one.
+
+    `self.last_experts` holds the (tokens, k) expert ids of the last forward, for router replay (R3):
+    set `self.replay` to such a tensor and the next forward routes through those experts instead."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.last_experts, self.replay = None, None
+
+    def forward(self, x):
+        B, T, C = x.shape
+        x = x.reshape(-1, C)  # (N, C)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
+        if self.replay is not None:
+            idx = self.replay.to(x.device)
+            w = probs.gather(-1, idx)
+        else:
+            w, idx = probs.topk(self.k, dim=-1)  # (N, k)
+        if self.norm_topk:
+            w = w / w.sum(-1, keepdim=True)
+        w = w.to(x.dtype)
+        self.last_experts = idx.detach()
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():  # CPU-GPU sync point; fine at reference scale
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+        return out.view(B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, i):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, i)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, **kw):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, **kw)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init)
+
+    def _init(self, m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx, pos=None, cache=None, cu_seqlens=None, max_seqlen=None, hidden=False):
+        """idx (B, T) -> logits (B, T, V) in fp32; `pos` (B, T) defaults to 0..T-1 (or what the cache says).
+        With `hidden=True` the final hidden states (B, T, C) are returned instead (the loss projects in chunks)."""
+        B, T = idx.shape
+        if pos is None:
+            pos = cache.positions(T) if cache is not None else torch.arange(T, device=idx.device).expand(B, T)
+        x = self.model.embed_tokens(idx)
+        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for block in self.model.layers:
+            x = block(x, cos, sin, cache=cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if cache is not None:
+            cache.advance(T)
+        x = self.model.norm(x)
+        return x if hidden else self.lm_head(x).float()
+
+    # ----------------------------------------------------------------------------- Hugging Face in and out
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, dtype=torch.float32, device="cpu"):
+        """Load a Qwen3 / Qwen3-MoE checkpoint: a local folder, or a hub name (needs a network)."""
+        from safetensors.torch import load_file
+        path = name_or_path
+        if not os.path.isdir(path):
+            from huggingface_hub import snapshot_download
+            path = snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt"])
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = ModelConfig.from_hf(json.load(f))
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        sd = {}
+        for fn in files:
+            sd.update(load_file(os.path.join(path, fn)))
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+            sd.pop("lm_head.weight", None)
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {name_or_path} does not match the model: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(dtype)
+
+    def save_pretrained(self, out_dir):
+        """Write config.json and model.safetensors that transformers' AutoModelForCausalLM loads."""
+        from safetensors.torch import save_file
+        os.makedirs(out_dir, exist_ok=True)
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        hf = self.config.to_hf()
+        hf["torch_dtype"] = str(next(self.parameters()).dtype).replace("torch.", "")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+
+def weight_checksum(model):
+    """A cheap fingerprint of every parameter's bytes: equal on two ranks iff they hold the same weights
+    (up to hash collisions). Used by the DDP test and, later, by weight sync."""
+    import hashlib
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

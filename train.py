@@ -1,0 +1,610 @@
+"""
+train.py: the entry point and the RL loop; stage 4 (the GRPO-style loss, the optimizer).
+
+    python train.py                                    # the embedded default: tiny model, synthetic task, CPU, offline
+    python train.py configs/gsm8k_qwen3.py             # a config file of overrides
+    python train.py configs/tiny.py --steps=20 --lr=1e-3   # ... plus command-line overrides
+    torchrun --nproc_per_node=2 train.py --steps=5     # DDP (gloo on the CPU, NCCL on GPUs); rank 0 prints
+
+One step (see DESIGN.md):
+    prompts -> engine.generate (G completions each) -> rewards -> group advantages -> drop groups whose
+    rewards are all equal -> dense log-probs -> clipped policy-gradient loss -> AdamW -> (next step's rollouts
+    use the new weights directly: colocated, nothing to sync yet).
+
+The loss, per sampled token t of completion i in group g:
+    A_i      = (r_i - mean_g r) / (std_g r + eps)                    group-normalised advantage
+    ratio_t  = exp(logp_t - logp_old_t)
+    loss_t   = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i)   clip-higher (DAPO)
+             + kl_coef * KL_t(policy || reference)                    optional, off by default (k3 estimator)
+    loss     = sum_t loss_t / (number of sampled tokens in the batch)        token-level aggregation
+
+Simplifications:
+    1. Colocated: the policy and the rollout engine are the same module in the same process.
+    2. logp_old is the trainer's own log-prob before the first optimizer pass, so ratio = 1 at the first
+       minibatch of the first pass; the rollout engine's log-probs are kept for the mismatch statistics.
+    3. The embedded default builds its own warm start (an SFT pass on the synthetic task's traces) and
+       caches it under the output folder; real models start from their checkpoint.
+    4. A NaN or inf loss or gradient skips the optimizer step on every rank; the step is logged as skipped.
+
+Config: `Config` below is the one source of truth. A config file is Python: assignments of its fields.
+Command-line overrides are --key=value. Unknown keys and wrong types are errors that name the key.
+The run writes the config it used to out_dir/config.json.
+"""
+
+import ast
+import dataclasses
+import difflib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Config:
+    # run
+    out_dir: str = "out/tiny"
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"  # float32 | bfloat16 (weights and compute of the policy)
+    resume: bool = False  # continue from out_dir/ckpt
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    # model: a hub name or a local HF folder; empty = the tiny model below, warm-started by SFT
+    model: str = ""
+    chat_template: bool = True  # use the tokenizer's chat template when it has one
+    n_layer: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    n_kv_head: int = 2
+    ffn: int = 384
+    # data
+    task: str = "synthetic"  # synthetic | gsm8k | math
+    data: str = ""  # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
+    difficulty: tuple = (2, 6)  # synthetic task: range of chain lengths
+    n_train: int = 20000  # synthetic problems in the training pool (0 = all rows of a dataset)
+    n_eval: int = 200  # held-out problems
+    # warm start (the tiny model only)
+    sft_steps: int = 600
+    sft_batch: int = 64
+    sft_lr: float = 3e-3
+    # rollout
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: str = ""  # a stop string (besides EOS); empty = none
+    # update
+    steps: int = 100
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    passes: int = 1  # optimizer passes over each batch
+    minibatches: int = 1  # optimizer steps per pass
+    micro_batch: int = 64  # sequences per forward/backward
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    adv_eps: float = 1e-6
+    pack: str = "auto"  # auto | on | off: pack sequences without padding (flash-attn on CUDA; masked SDPA elsewhere)
+    # evaluation, checkpoints, logs
+    eval_every: int = 25
+    save_every: int = 25
+    plot: bool = True
+
+
+# ----------------------------------------------------------------------------- config parsing
+
+
+def _typecheck(key, value, default):
+    want = type(default)
+    if isinstance(value, str) and want is not str:  # from the command line
+        if want is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"config key '{key}' wants a bool (true/false), got {value!r}")
+            return value.lower() in ("true", "1")
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"config key '{key}' wants {want.__name__}, got {value!r}") from None
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if want is tuple and isinstance(value, list):
+        value = tuple(value)
+    if want is tuple and isinstance(value, int):
+        value = (value, value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise ValueError(f"config key '{key}' wants {want.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def parse_config(argv):
+    """argv: [config_file.py] [--key=value ...] -> Config. The tiny config is the default."""
+    cfg = Config()
+    defaults = dataclasses.asdict(cfg)
+    overrides = {}
+    for arg in argv:
+        if arg.startswith("--"):
+            if "=" not in arg:
+                raise ValueError(f"argument {arg!r} must look like --key=value")
+            k, v = arg[2:].split("=", 1)
+            overrides[k] = v
+        else:
+            ns = {}
+            with open(arg) as f:
+                exec(compile(f.read(), arg, "exec"), {}, ns)
+            overrides.update({k: v for k, v in ns.items() if not k.startswith("_")})
+    for k, v in overrides.items():
+        if k not in defaults:
+            near = difflib.get_close_matches(k, defaults, n=1)
+            raise ValueError(f"unknown config key '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+        setattr(cfg, k, _typecheck(k, v, defaults[k]))
+    return cfg
+
+
+# ----------------------------------------------------------------------------- stage 4: advantages and loss
+
+
+def group_advantages(rewards, G, eps=1e-6):
+    """rewards (N,) with N = B * G, groups contiguous -> advantages (N,), keep (B,) groups with any spread."""
+    r = rewards.view(-1, G)
+    std = r.std(-1, unbiased=False, keepdim=True)
+    adv = (r - r.mean(-1, keepdim=True)) / (std + eps)
+    keep = std[:, 0] > 0
+    return adv.view(-1), keep
+
+
+def pg_loss(logp, old_logp, adv, mask, clip_low, clip_high, ref_logp=None, kl_coef=0.0):
+    """Per-token clipped surrogate. logp, old_logp, mask (N, T); adv (N,). Returns summed loss, stats.
+    The caller divides by the number of sampled tokens (token-level aggregation)."""
+    ratio = torch.exp(logp - old_logp)
+    a = adv[:, None]
+    surr = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
+    loss = -surr
+    if kl_coef > 0:
+        d = ref_logp - logp  # k3 estimator of KL(policy || ref): e^d - d - 1 >= 0
+        loss = loss + kl_coef * (torch.exp(d) - d - 1)
+    m = mask.float()
+    clipped = ((ratio < 1 - clip_low) & (a < 0)) | ((ratio > 1 + clip_high) & (a > 0))
+    return (loss * m).sum(), {"clipped": (clipped.float() * m).sum().item()}
+
+
+def build_batch(prompts, completions, masks, pad_id):
+    """Right-padded (B, T) ids of prompt + completion, and a target mask for completion positions.
+    Position t of `tmask` marks that token t+1 is a sampled token, so logits[:, t] scores it."""
+    seqs = [list(p) + c[m].tolist() for p, c, m in zip(prompts, completions, masks)]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    tmask = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for i, (s, p) in enumerate(zip(seqs, prompts)):
+        ids[i, :len(s)] = torch.tensor(s)
+        tmask[i, len(p) - 1:len(s) - 1] = True
+    return ids, tmask
+
+
+def token_logprobs(model, ids, tmask, temperature=1.0, packed=False):
+    """Log-prob of every target token: returns (B, T) with values where tmask is set (0 elsewhere).
+    `packed` concatenates the rows without padding and attends within each (flash-attn varlen on CUDA)."""
+    B, T = ids.shape
+    targets = torch.roll(ids, -1, 1)
+    if packed:
+        lens = (tmask.flip(1).cumsum(1).flip(1) > 0).sum(1) + 1  # row length = last target position + 2
+        flat = torch.cat([ids[i, :lens[i]] for i in range(B)])[None]
+        pos = torch.cat([torch.arange(int(n), device=ids.device) for n in lens])[None]
+        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        h = model(flat, pos=pos, cu_seqlens=cu, max_seqlen=int(lens.max()), hidden=True)[0]
+        sel = torch.cat([tmask[i, :lens[i]] for i in range(B)])
+        h_sel, tgt = h[sel], torch.cat([targets[i, :lens[i]] for i in range(B)])[sel]
+    else:
+        h = model(ids, hidden=True)  # (B, T, C)
+        h_sel, tgt = h[tmask], targets[tmask]
+    lm = model.module.lm_head if hasattr(model, "module") else model.lm_head
+    logits = lm(h_sel).float() / temperature  # only the scored positions are projected onto the vocabulary
+    lp = logits.log_softmax(-1).gather(-1, tgt[:, None])[:, 0]
+    out = torch.zeros(B, T, device=ids.device, dtype=lp.dtype)
+    out[tmask] = lp
+    return out
+
+
+# ----------------------------------------------------------------------------- setup: devices, data, model
+
+
+def setup_dist(cfg):
+    """Returns (rank, world, device). Under torchrun, joins the process group (gloo on CPU, NCCL on CUDA)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dev = f"cuda:{torch.cuda.current_device()}"
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+    return rank, world, torch.device(dev)
+
+
+def load_problems(cfg):
+    """-> (train problems, held-out problems)."""
+    import prompts
+    if cfg.task == "synthetic":
+        return (prompts.make_synthetic(cfg.n_train, cfg.seed, cfg.difficulty),
+                prompts.make_synthetic(cfg.n_eval, cfg.seed + 10_000, cfg.difficulty))
+    loader = {"gsm8k": prompts.load_gsm8k, "math": prompts.load_math}.get(cfg.task)
+    if loader is None:
+        raise ValueError(f"config key 'task' must be synthetic, gsm8k or math, got {cfg.task!r}")
+    src = {"source": cfg.data} if cfg.data else {}
+    if cfg.data and os.path.exists(cfg.data):  # one local file: hold out its last n_eval rows
+        rows = loader(**src)
+        return rows[:-cfg.n_eval] if len(rows) > cfg.n_eval else rows, rows[-cfg.n_eval:]
+    return loader(split="train", limit=cfg.n_train or None, **src), loader(split="test", limit=cfg.n_eval, **src)
+
+
+def encode_pool(tok, problems, cfg, ctx, log):
+    """Token ids of every prompt; prompts too long for the context are dropped and counted (not fatal)."""
+    import prompts
+    keep, ids = [], []
+    for p in problems:
+        t = tok.encode(prompts.format_prompt(tok, p, cfg.chat_template), add_special_tokens=False)
+        if 0 < len(t) <= ctx - cfg.max_new_tokens:
+            keep.append(p)
+            ids.append(t)
+    if len(keep) < len(problems):
+        log(f"dropped {len(problems) - len(keep)} of {len(problems)} prompts longer than context {ctx} "
+            f"- max_new_tokens {cfg.max_new_tokens}")
+    if not keep:
+        raise ValueError("no prompt fits in the context; lower max_new_tokens or use a longer-context model")
+    return keep, ids
+
+
+def tiny_model_config(cfg, tok):
+    from model import ModelConfig
+    return ModelConfig(vocab_size=len(tok), hidden_size=cfg.n_embd, intermediate_size=cfg.ffn,
+                       num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+                       head_dim=cfg.n_embd // cfg.n_head, max_position_embeddings=2048, tie_word_embeddings=True,
+                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def warm_start(cfg, tok, dev, log):
+    """The tiny model's starting point: SFT on the synthetic task's reference traces, cached in out_dir/warmstart.
+    The cache is keyed by everything that shapes it, so changing the model or the SFT settings rebuilds it."""
+    import prompts
+    from model import Transformer
+    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn", "difficulty",
+                                        "sft_steps", "sft_batch", "sft_lr")}
+    path = os.path.join(cfg.out_dir, "warmstart")
+    try:
+        with open(os.path.join(path, "sft_key.json")) as f:
+            if json.load(f) == json.loads(json.dumps(key)):
+                log(f"warm start: loading the cached SFT model from {path}")
+                return Transformer.from_pretrained(path, device=dev)
+    except FileNotFoundError:
+        pass
+    torch.manual_seed(cfg.seed)
+    model = Transformer(tiny_model_config(cfg, tok)).to(dev)
+    data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000, cfg.difficulty)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} steps")
+    from tqdm import tqdm
+    for step in tqdm(range(cfg.sft_steps), desc="sft", disable=cfg._rank != 0, dynamic_ncols=True):
+        batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
+        p_ids = [tok.encode(p.prompt, add_special_tokens=False) for p in batch]
+        c_ids = [torch.tensor(tok.encode(prompts.synthetic_trace(p), add_special_tokens=False) + [tok.eos_token_id])
+                 for p in batch]
+        ids, tmask = build_batch(p_ids, c_ids, [torch.ones(len(c), dtype=torch.bool) for c in c_ids], tok.pad_token_id)
+        ids, tmask = ids.to(dev), tmask.to(dev)
+        lr = cfg.sft_lr * min(1.0, (step + 1) / 50) * (0.5 * (1 + math.cos(math.pi * step / cfg.sft_steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = -token_logprobs(model, ids, tmask)[tmask].mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    log(f"warm start: final SFT loss {loss.item():.4f}")
+    save_atomic(path, lambda d: (model.save_pretrained(d), tok.save_pretrained(d),
+                                 json.dump(key, open(os.path.join(d, "sft_key.json"), "w"))))
+    return model
+
+
+def build_policy(cfg, dev, log):
+    """-> (model, tokenizer). Real models come from a checkpoint; the tiny one from its warm start."""
+    from transformers import AutoTokenizer
+    from model import Transformer
+    if cfg.model:
+        tok = AutoTokenizer.from_pretrained(cfg.model)
+        model = Transformer.from_pretrained(cfg.model, device=dev)
+    else:
+        import prompts
+        tok = prompts.build_char_tokenizer(os.path.join(cfg.out_dir, "tokenizer"))
+        if cfg._rank == 0:
+            model = warm_start(cfg, tok, dev, log)
+        if cfg._world > 1:
+            torch.distributed.barrier()  # rank 0 built the warm start; the others read it
+        if cfg._rank != 0:
+            model = Transformer.from_pretrained(os.path.join(cfg.out_dir, "warmstart"), device=dev)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model.to(getattr(torch, cfg.dtype)), tok
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_atomic(path, write):
+    """Write a folder with write(tmp_dir), then swap it in with renames. A kill at any point leaves either the
+    old complete folder at `path`, or (between the two renames) the old one at `path.old`, which load looks at."""
+    tmp = f"{path}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    write(tmp)
+    for fn in os.listdir(tmp):  # flush file contents before the rename makes them visible
+        with open(os.path.join(tmp, fn), "rb") as f:
+            os.fsync(f.fileno())
+    if os.path.exists(path):
+        shutil.rmtree(f"{path}.old", ignore_errors=True)
+        os.replace(path, f"{path}.old")
+    os.replace(tmp, path)
+    shutil.rmtree(f"{path}.old", ignore_errors=True)
+
+
+def save_checkpoint(cfg, model, tok, opt, sampler, step, history):
+    state = {"step": step, "opt": opt.state_dict(), "sampler": sampler.state_dict(), "history": history,
+             "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
+    save_atomic(os.path.join(cfg.out_dir, "ckpt"), lambda d: (model.save_pretrained(d), tok.save_pretrained(d),
+                                                               torch.save(state, os.path.join(d, "trainer_state.pt"))))
+
+
+def load_checkpoint(cfg, model, opt, sampler, dev):
+    from safetensors.torch import load_file
+    for path in (os.path.join(cfg.out_dir, "ckpt"), os.path.join(cfg.out_dir, "ckpt.old")):
+        if os.path.exists(os.path.join(path, "trainer_state.pt")):
+            break
+    else:
+        raise FileNotFoundError(f"resume=True but there is no checkpoint in {cfg.out_dir}/ckpt")
+    sd = load_file(os.path.join(path, "model.safetensors"), device=str(dev))
+    model.load_state_dict(sd, strict=not model.config.tie_word_embeddings)
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location=dev, weights_only=False)
+    opt.load_state_dict(state["opt"])
+    sampler.load_state_dict(state["sampler"])
+    torch.set_rng_state(state["torch_rng"].cpu())
+    return state["step"], state["history"]
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(cfg, engine, problems, ids, rank, world):
+    """Greedy accuracy on the held-out set; each rank takes a slice, the counts are summed."""
+    from reward import score
+    mine = list(range(rank, len(problems), world))
+    correct = 0.0
+    for a in range(0, len(mine), 256):
+        chunk = mine[a:a + 256]
+        ro = engine.generate([ids[i] for i in chunk], 1, seed=0)
+        correct += sum(score([problems[i] for i in chunk], ro.texts))
+    if world > 1:
+        t = torch.tensor([correct], dtype=torch.float64, device=engine.model.lm_head.weight.device)
+        torch.distributed.all_reduce(t)
+        correct = t.item()
+    return correct / len(problems)
+
+
+# ----------------------------------------------------------------------------- one RL step
+
+
+def rl_step(cfg, step, model, ddp_model, engine, opt, sampler, pool_ids, rank, world, log):
+    """Rollouts, rewards, advantages, and the update of one step. Returns the step's metrics record."""
+    from reward import score
+    dev = model.lm_head.weight.device
+    n_local = max(1, cfg.prompts_per_step // world)
+    batch = sampler.next_batch(n_local * world)[rank * n_local:(rank + 1) * n_local]  # same draw on every rank
+    t0 = time.perf_counter()
+    ro = engine.generate([pool_ids[i] for i, _ in batch], cfg.group_size, seed=cfg.seed * 100_003 + step * world + rank)
+    t1 = time.perf_counter()
+    problems = [p for _, p in batch for _ in range(cfg.group_size)]
+    rewards = torch.tensor(score(problems, ro.texts), dtype=torch.float32)
+    sampler.observe([i for i, _ in batch], rewards.view(-1, cfg.group_size).tolist())
+    adv, keep_g = group_advantages(rewards, cfg.group_size, cfg.adv_eps)
+    keep = keep_g.repeat_interleave(cfg.group_size)  # zero-advantage groups carry no gradient: skip them
+    rec = {"step": step, "reward": rewards.mean().item(), "groups_kept": int(keep_g.sum()), "groups": len(keep_g),
+           "gen_s": t1 - t0, "prefill_s": ro.timings["prefill_s"], "decode_s": ro.timings["decode_s"],
+           "new_tokens": ro.timings["new_tokens"], "len_mean": ro.mask.sum(1).float().mean().item(),
+           "finish_length": sum(f == "length" for f in ro.finish) / len(ro)}
+    idx = keep.nonzero()[:, 0].tolist()
+    stats = torch.zeros(5, device=dev, dtype=torch.float64)  # loss sum, tokens, clipped, skipped, grad norm
+    if idx:
+        p_ids = [pool_ids[batch[i // cfg.group_size][0]] for i in idx]
+        ids, tmask = build_batch(p_ids, ro.tokens[idx], ro.mask[idx], engine.pad_id)
+        stats += train_on(cfg, model, ddp_model, opt, ids.to(dev), tmask.to(dev), adv[idx].to(dev), world)
+    if world > 1:  # a rank with nothing to train still joined every collective inside train_on
+        torch.distributed.all_reduce(stats)
+    rec.update(loss=(stats[0] / stats[1].clamp(min=1)).item(), tokens=int(stats[1]),
+               clipfrac=(stats[2] / stats[1].clamp(min=1)).item(), skipped_nonfinite=int(stats[3]),
+               grad_norm=stats[4].item() / world, lr=opt.param_groups[0]["lr"], train_s=time.perf_counter() - t1)
+    return rec
+
+
+def train_on(cfg, model, ddp_model, opt, ids, tmask, adv, world):
+    """Several optimizer passes over one batch of kept rollouts. Returns summed stats for the log."""
+    stats = torch.zeros(5, device=ids.device, dtype=torch.float64)
+    ntok = tmask.sum().double()
+    if world > 1:
+        torch.distributed.all_reduce(ntok)
+    packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda and model_flash_ok())
+    N = ids.shape[0]
+    with torch.no_grad():  # logp_old: the policy before this batch's first update
+        old = torch.cat([token_logprobs(model, ids[a:a + cfg.micro_batch], tmask[a:a + cfg.micro_batch],
+                                        cfg.temperature, packed) for a in range(0, N, cfg.micro_batch)])
+        ref = None  # KL to a reference needs a frozen copy: kept by the caller when kl_coef > 0
+        if cfg.kl_coef > 0:
+            ref = torch.cat([token_logprobs(cfg._ref_model, ids[a:a + cfg.micro_batch], tmask[a:a + cfg.micro_batch],
+                                            cfg.temperature, packed) for a in range(0, N, cfg.micro_batch)])
+    mb_tokens = ntok / cfg.minibatches  # token-level mean over the (global) minibatch
+    for _ in range(cfg.passes):
+        for mb in torch.arange(N).chunk(cfg.minibatches):
+            opt.zero_grad(set_to_none=True)
+            for micro in mb.split(cfg.micro_batch):
+                lp = token_logprobs(ddp_model, ids[micro], tmask[micro], cfg.temperature, packed)
+                loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low, cfg.clip_high,
+                                  None if ref is None else ref[micro], cfg.kl_coef)
+                (loss * world / mb_tokens).backward()  # DDP averages over ranks: * world makes it a global sum
+                stats[0] += loss.item()
+                stats[2] += s["clipped"]
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            bad = torch.tensor([0.0 if torch.isfinite(gn) else 1.0], device=ids.device)
+            if world > 1:
+                torch.distributed.all_reduce(bad)
+            if bad.item() > 0:  # NaN/inf anywhere: skip the optimizer step on every rank, weights untouched
+                opt.zero_grad(set_to_none=True)
+                stats[3] += 1
+                continue
+            opt.step()
+            stats[4] += gn.item()
+    stats[1] = tmask.sum() * cfg.passes
+    return stats
+
+
+def model_flash_ok():
+    import model as m
+    return m.flash_attn_varlen_func is not None
+
+
+def lr_at(cfg, step):
+    """Linear warmup, then cosine down to min_lr_ratio * lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def fmt(rec):
+    keys = [("reward", "rew {:.3f}"), ("acc", "acc {:.3f}"), ("groups_kept", "kept {}"), ("loss", "loss {:+.4f}"),
+            ("clipfrac", "clip {:.3f}"), ("grad_norm", "gn {:.2f}"), ("len_mean", "len {:.1f}"),
+            ("gen_s", "gen {:.2f}s"), ("prefill_s", "prefill {:.3f}s"), ("decode_s", "decode {:.2f}s"),
+            ("train_s", "train {:.2f}s"), ("skipped_nonfinite", "nonfinite-skipped {}")]
+    parts = [f.format(rec[k]) for k, f in keys if k in rec and not (k == "skipped_nonfinite" and rec[k] == 0)]
+    return f"step {rec['step']:4d} | " + " | ".join(parts)
+
+
+def main(argv):
+    from tqdm import tqdm
+    from prompts import PromptSampler
+    from rollout import Engine
+    cfg = parse_config(argv)
+    rank, world, dev = setup_dist(cfg)
+    cfg._rank, cfg._world = rank, world
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    log = (lambda s: tqdm.write(s)) if rank == 0 else (lambda s: None)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    if rank == 0:
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+    random.seed(cfg.seed)
+    model, tok = build_policy(cfg, dev, log)
+    train_p, eval_p = load_problems(cfg)
+    ctx = model.config.max_position_embeddings
+    train_p, train_ids = encode_pool(tok, train_p, cfg, ctx, log)
+    eval_p, eval_ids = encode_pool(tok, eval_p, cfg, ctx, log)
+    stop = [cfg.stop] if cfg.stop else []
+    engine = Engine(model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop)
+    greedy = Engine(model, tok, cfg.max_new_tokens, 0.0, 1.0, stop)
+    if cfg.kl_coef > 0:
+        import copy
+        cfg._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    sampler = PromptSampler(train_p, cfg.seed)
+    start, history = 0, {"records": [], "acc0": None}
+    if cfg.resume:
+        start, history = load_checkpoint(cfg, model, opt, sampler, dev)
+        log(f"resumed from step {start}")
+    else:
+        history["acc0"] = evaluate(cfg, greedy, eval_p, eval_ids, rank, world)
+        log(f"held-out accuracy before RL: {history['acc0']:.3f} on {len(eval_p)} problems")
+    log(f"policy: {model.num_params() / 1e6:.2f}M parameters on {dev} ({cfg.dtype}), world size {world}; "
+        f"{len(train_p)} training prompts")
+    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if rank == 0:  # rewrite the log up to the resume point, so a resumed run does not repeat steps
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in history["records"])
+    t_start = time.perf_counter()
+    for step in tqdm(range(start, cfg.steps), desc="rl", initial=start, total=cfg.steps, disable=rank != 0,
+                     dynamic_ncols=True):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        rec = rl_step(cfg, step, model, ddp_model, engine, opt, sampler, train_ids, rank, world, log)
+        last = step == cfg.steps - 1
+        if (step + 1) % cfg.eval_every == 0 or last:
+            rec["acc"] = evaluate(cfg, greedy, eval_p, eval_ids, rank, world)
+        history["records"].append(rec)
+        log(fmt(rec))
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if rank == 0 and ((step + 1) % cfg.save_every == 0 or last):
+            save_checkpoint(cfg, model, tok, opt, sampler, step + 1, history)
+    if rank == 0:
+        summarize(cfg, history, time.perf_counter() - t_start, log)
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return history
+
+
+def summarize(cfg, history, seconds, log):
+    recs = history["records"]
+    accs = [r["acc"] for r in recs if "acc" in r]
+    if not recs:
+        return
+    n = len(recs)
+    mean = lambda k: sum(r.get(k, 0.0) for r in recs) / n
+    rows = [("steps", f"{n}"), ("held-out accuracy before RL", f"{history['acc0']}"),
+            ("held-out accuracy after RL", f"{accs[-1] if accs else 'n/a'}"),
+            ("reward, first 10% of steps", f"{sum(r['reward'] for r in recs[:max(1, n // 10)]) / max(1, n // 10):.3f}"),
+            ("reward, last 10% of steps", f"{sum(r['reward'] for r in recs[-max(1, n // 10):]) / max(1, n // 10):.3f}"),
+            ("groups kept / step", f"{mean('groups_kept'):.1f} of {recs[0]['groups']}"),
+            ("rollout time / step", f"{mean('gen_s'):.2f}s"), ("train time / step", f"{mean('train_s'):.2f}s"),
+            ("non-finite steps skipped", f"{sum(r.get('skipped_nonfinite', 0) for r in recs)}"),
+            ("RL wall time", f"{seconds:.0f}s")]
+    w = max(len(k) for k, _ in rows)
+    log("\n".join(["", "summary", "-" * (w + 12)] + [f"{k:<{w}}  {v}" for k, v in rows]))
+    if cfg.plot:
+        plot(cfg, history)
+
+
+def plot(cfg, history):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    recs = history["records"]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].plot([r["step"] for r in recs], [r["reward"] for r in recs], lw=1)
+    ax[0].set(xlabel="step", ylabel="mean reward", title="training reward")
+    pts = [(0, history["acc0"])] if history["acc0"] is not None else []
+    pts += [(r["step"] + 1, r["acc"]) for r in recs if "acc" in r]
+    ax[1].plot(*zip(*pts), marker="o")
+    ax[1].set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(os.path.join(cfg.out_dir, "run.png"), dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError) as e:  # config and data errors: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
