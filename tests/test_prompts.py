@@ -1,0 +1,293 @@
+import json
+import os
+import sys
+import warnings
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from prompts import (  # noqa: E402
+    GSM8K_INSTRUCTION, MATH_INSTRUCTION, Problem, PromptSampler, build_char_tokenizer, format_prompt,
+    load_gsm8k, load_math, make_synthetic, problems_from_gsm8k_rows, problems_from_math_rows, synthetic_trace,
+)
+
+FIX = os.path.join(ROOT, "tests", "fixtures")
+GSM = os.path.join(FIX, "gsm8k_small.jsonl")
+MATH = os.path.join(FIX, "math_small.jsonl")
+
+
+# ---------------------------------------------------------------- synthetic task
+
+def test_synthetic_example_format():
+    p = make_synthetic(1, seed=0, difficulty=3)[0]
+    assigns, expr = p.prompt.rstrip("\n").split("?")
+    values = {k: int(v) for k, v in (a.split("=") for a in assigns.split(","))}
+    terms = expr.split("+")
+    assert p.prompt.endswith("\n") and p.task == "synthetic"
+    assert len(values) == 5 and len(terms) == 3 and set(terms) <= set(values)
+    assert all(0 <= v <= 9 for v in values.values())
+    running, steps = 0, []
+    for t in terms:
+        running = (running + values[t]) % 10
+        steps.append(f"{t}={values[t]}>{running}")
+    assert p.meta["trace"] == " ".join(steps) + f" #{running}"
+    assert p.answer == str(running) == str(sum(values[t] for t in terms) % 10)
+    assert p.meta["difficulty"] == 3
+
+
+def test_synthetic_trace_matches_docstring_example():
+    p = Problem("c=4,a=7,b=2?a+b+a\n", "6", "synthetic")
+    assert synthetic_trace(p) == "a=7>7 b=2>9 a=7>6 #6"
+
+
+def test_synthetic_determinism_and_range():
+    a = make_synthetic(50, seed=7, difficulty=(2, 9))
+    assert a == make_synthetic(50, seed=7, difficulty=(2, 9))
+    assert a != make_synthetic(50, seed=8, difficulty=(2, 9))
+    ds = {p.meta["difficulty"] for p in a}
+    assert ds <= set(range(2, 10)) and len(ds) > 3
+    for p in a:
+        assert synthetic_trace(p) == p.meta["trace"]
+        assert len(p.meta["trace"].split(" ")) == p.meta["difficulty"] + 1
+
+
+def test_synthetic_answer_is_last_running_sum():
+    for p in make_synthetic(30, seed=1, difficulty=(1, 20)):
+        last_step = p.meta["trace"].split(" ")[-2]
+        assert last_step.split(">")[1] == p.answer
+        assert p.meta["trace"].endswith(f"#{p.answer}")
+
+
+def test_synthetic_length_grows_with_difficulty():
+    lens = [len(make_synthetic(1, seed=0, difficulty=d)[0].meta["trace"]) for d in (1, 10, 50, 200)]
+    assert lens == sorted(lens) and len(set(lens)) == 4
+    assert lens[-1] > 1000
+    p = make_synthetic(1, seed=0, difficulty=200)[0]
+    assert len(p.prompt.split("?")[0].split(",")) == 26  # n_vars capped at 26
+
+
+@pytest.mark.parametrize("bad", [0, -1, (0, 3), (5, 2)])
+def test_synthetic_bad_difficulty(bad):
+    with pytest.raises(ValueError):
+        make_synthetic(3, seed=0, difficulty=bad)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+@pytest.fixture(scope="module")
+def char_tok(tmp_path_factory):
+    return build_char_tokenizer(str(tmp_path_factory.mktemp("chartok")))
+
+
+def test_char_tokenizer_vocab(char_tok, tmp_path_factory):
+    tok = char_tok
+    assert tok.pad_token == "<pad>" and tok.pad_token_id == 0
+    assert tok.eos_token == "<eos>" and tok.eos_token_id == 1
+    assert tok.unk_token_id == 2
+    assert tok.convert_tokens_to_ids("\n") == 3
+    assert len(tok) == 3 + 1 + 95
+    assert tok.bos_token is None
+
+
+def test_char_tokenizer_saved_files(tmp_path):
+    build_char_tokenizer(str(tmp_path / "tok"))
+    assert (tmp_path / "tok" / "tokenizer.json").exists()
+    assert (tmp_path / "tok" / "tokenizer_config.json").exists()
+
+
+@pytest.mark.parametrize("s", [
+    "a=7>7 b=2>9 a=7>6 #6",
+    "c=4,a=7,b=2?a+b+a\n",
+    "  two leading spaces, trailing  ",
+    "line one\nline two .\n\n , ? ! it's \"quoted\" ~`{}[]\\|",
+    "".join(chr(c) for c in range(32, 127)),
+])
+def test_char_tokenizer_round_trip(char_tok, s):
+    ids = char_tok.encode(s)
+    assert len(ids) == len(s)  # one token per char, no BOS/EOS added
+    assert char_tok.decode(ids) == s
+    assert char_tok(s)["input_ids"] == ids
+
+
+def test_char_tokenizer_unknown_and_specials(char_tok):
+    ids = char_tok.encode("aé b")
+    assert ids[1] == 2 and len(ids) == 4
+    assert char_tok.decode(char_tok.encode("ab") + [char_tok.eos_token_id], skip_special_tokens=True) == "ab"
+    batch = char_tok(["abc", "a"], padding=True)
+    assert batch["input_ids"][1][1:] == [0, 0]
+
+
+def test_char_tokenizer_long_synthetic_trace(char_tok):
+    p = make_synthetic(1, seed=0, difficulty=170)[0]
+    assert len(char_tok.encode(p.meta["trace"])) > 1000
+
+
+def test_format_prompt(char_tok):
+    p = make_synthetic(1, seed=0, difficulty=2)[0]
+    assert format_prompt(char_tok, p, chat_template=True) == p.prompt  # no template -> unchanged
+    assert format_prompt(char_tok, p, chat_template=False) == p.prompt
+
+    class Templated:
+        chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert tokenize is False
+            out = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+            return out + ("<assistant>" if add_generation_prompt else "")
+
+    assert format_prompt(Templated(), p, chat_template=True) == f"<user>{p.prompt}<assistant>"
+    assert format_prompt(Templated(), p, chat_template=False) == p.prompt
+
+
+def test_format_prompt_real_template(char_tok, tmp_path):
+    tok = build_char_tokenizer(str(tmp_path / "t"))
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    p = Problem("hi?", "x", "synthetic")
+    assert format_prompt(tok, p, chat_template=True) == "[user]hi?[assistant]"
+
+
+# ---------------------------------------------------------------- loaders
+
+def _gsm_check(probs):
+    assert [p.answer for p in probs] == ["72", "10", "1200", "42"]
+    assert all(p.task == "gsm8k" and p.prompt.endswith(GSM8K_INSTRUCTION) for p in probs)
+    assert probs[0].prompt.startswith("Natalia sold clips")
+    assert probs[0].meta["solution"].endswith("#### 72")
+
+
+def test_load_gsm8k_jsonl():
+    with pytest.warns(UserWarning) as rec:
+        probs = load_gsm8k(GSM)
+    _gsm_check(probs)
+    msgs = [str(w.message) for w in rec]
+    assert len(msgs) == 1
+    assert msgs[0] == (f"gsm8k ({GSM}): skipped 2 of 6 malformed rows: "
+                       "missing 'answer': 1, no '####' in answer: 1")
+
+
+def test_load_gsm8k_parquet(tmp_path):
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "gsm8k_small.parquet")
+    pq.write_table(pj.read_json(GSM), path)
+    with pytest.warns(UserWarning, match="skipped 2 of 6 malformed rows"):
+        probs = load_gsm8k(path)
+    _gsm_check(probs)
+
+
+def test_load_gsm8k_limit():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        probs = load_gsm8k(GSM, limit=2)  # the first two rows are good: no warning
+    assert [p.answer for p in probs] == ["72", "10"]
+
+
+def test_load_gsm8k_hub_name_goes_to_load_dataset(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append((args, kwargs))
+        return [{"question": "1+1?", "answer": "2\n#### 2"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    probs = load_gsm8k("openai/gsm8k", split="test")
+    assert calls == [(("openai/gsm8k", "main"), {"split": "test"})]
+    assert probs[0].answer == "2"
+    calls.clear()
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda *a, **k: calls.append((a, k)) or [{"problem": "p", "answer": "3", "subject": "Algebra"}])
+    mp = load_math("HuggingFaceH4/MATH-500", split="test")
+    assert calls == [(("HuggingFaceH4/MATH-500",), {"split": "test"})]
+    assert mp[0].answer == "3" and mp[0].meta["subject"] == "Algebra"
+
+
+def test_gsm8k_rows_all_reasons_and_all_bad():
+    rows = [
+        {"question": "ok", "answer": "x\n#### 3"},
+        {"question": 5, "answer": "#### 3"},
+        {"question": "   ", "answer": "#### 3"},
+        {"answer": "#### 3"},
+        {"question": "q", "answer": "#### "},
+        {"question": "q", "answer": ["#### 3"]},
+    ]
+    with pytest.warns(UserWarning) as rec:
+        probs = problems_from_gsm8k_rows(rows, "gsm8k (mem)")
+    assert len(probs) == 1 and probs[0].answer == "3"
+    assert str(rec[0].message) == (
+        "gsm8k (mem): skipped 5 of 6 malformed rows: non-string 'question': 1, empty 'question': 1, "
+        "missing 'question': 1, nothing after '####' in answer: 1, non-string 'answer': 1")
+    with pytest.raises(ValueError, match=r"skipped 2 of 2 malformed rows: missing 'answer': 2"):
+        problems_from_gsm8k_rows([{"question": "a"}, {"question": "b", "answer": None}], "gsm8k (mem)")
+
+
+def test_load_math_jsonl():
+    with pytest.warns(UserWarning) as rec:
+        probs = load_math(MATH)
+    assert [p.answer for p in probs] == ["5", r"\frac{1}{2}", "6", "-2, 2", "x^{2}"]
+    assert len(rec) == 1
+    assert str(rec[0].message) == f"math ({MATH}): skipped 1 of 6 malformed rows: no \\boxed{{}} in solution: 1"
+    p = probs[1]
+    assert p.task == "math" and p.prompt.endswith(MATH_INSTRUCTION) and "\\boxed{}" in MATH_INSTRUCTION
+    assert p.meta["level"] == "Level 1" and p.meta["type"] == "Counting & Probability"
+    assert "subject" not in p.meta
+
+
+def test_math_rows_answer_field_and_all_bad():
+    rows = [{"problem": "p1", "answer": "7", "solution": r"\boxed{8}", "subject": "Algebra", "level": 2},
+            {"problem": "p2", "solution": r"so \boxed{\frac{a}{b^{2}}}."}]
+    probs = problems_from_math_rows(rows)
+    assert [p.answer for p in probs] == ["7", r"\frac{a}{b^{2}}"]
+    assert probs[0].meta["subject"] == "Algebra" and probs[0].meta["level"] == 2
+    with pytest.raises(ValueError, match="skipped 2 of 2"):
+        problems_from_math_rows([{"problem": "p"}, {"solution": r"\boxed{1}"}])
+
+
+def test_loaded_problems_score_one_on_their_reference_solutions():
+    from reward import score_one
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probs = load_gsm8k(GSM) + load_math(MATH)
+    assert len(probs) == 9
+    for p in probs:
+        assert score_one(p, p.meta["solution"]) == 1.0
+
+
+# ---------------------------------------------------------------- sampler
+
+def test_sampler_epochs_without_replacement():
+    probs = make_synthetic(10, seed=0, difficulty=2)
+    s = PromptSampler(probs, seed=123)
+    e0 = [i for i, _ in s.next_batch(10)]
+    e1 = [i for i, _ in s.next_batch(10)]
+    assert sorted(e0) == list(range(10)) and sorted(e1) == list(range(10))
+    assert e0 != e1  # reshuffled
+    i, p = s.next_batch(1)[0]
+    assert p is probs[i]
+    assert [i for i, _ in PromptSampler(probs, seed=123).next_batch(20)] == e0 + e1
+    assert [i for i, _ in PromptSampler(probs, seed=124).next_batch(10)] != e0
+
+
+def test_sampler_resume_exact():
+    probs = make_synthetic(7, seed=0, difficulty=2)
+    ref = PromptSampler(probs, seed=5)
+    want = [i for _ in range(6) for i, _ in ref.next_batch(4)]
+
+    s = PromptSampler(probs, seed=5)
+    got = [i for _ in range(3) for i, _ in s.next_batch(4)]
+    sd = json.loads(json.dumps(s.state_dict()))  # plain data, survives a checkpoint
+    s.observe([0, 1], [1.0, 0.0])  # no-op hook
+    resumed = PromptSampler(probs, seed=999)
+    resumed.load_state_dict(sd)
+    got += [i for _ in range(3) for i, _ in resumed.next_batch(4)]
+    assert got == want
+
+    with pytest.raises(ValueError):
+        PromptSampler(probs[:3], seed=5).load_state_dict(sd)
+    with pytest.raises(ValueError):
+        PromptSampler([], seed=0)
