@@ -1,0 +1,457 @@
+"""
+Block-sparse decode attention over a paged KV cache.
+
+During decoding each sequence adds one query token per step, and attention has to read the whole KV
+cache for it: the step is bound by memory bandwidth, so its time is about the bytes of K and V read.
+Sparse rollout reads only some pages of the cache. A selector elsewhere (sparsity.py) scores every
+page against the query and picks which pages to read, per sequence and per KV head; this file only
+reads them. Dense decode is the same kernel with every page selected, so the sparse path and the
+dense path share all their code but the selection.
+
+The ideas this kernel builds on (the ideas only; no code is copied):
+- Quest (Tang et al., 2024): query-aware selection of KV pages and attention that reads only the
+  selected pages of a paged cache.
+- FlashAttention (Dao et al., 2022): online softmax, i.e. a running max, a running sum and an fp32
+  accumulator, so the scores never go to memory.
+- Flash-decoding (Dao, Haziza, Massa, Sizov, 2023): when batch x KV heads is too small to fill the
+  GPU, split each sequence's KV across programs and merge the partial outputs by log-sum-exp.
+- Grouped-query decoding as in the NSA Triton kernels: one program loads the G query heads that
+  share a KV head, so each page is read once per group instead of once per query head.
+
+Layout and contract (what the rollout engine passes, per layer):
+    q           (B, H_q, D)                  the decode queries, H_q = G * H_kv
+    k_cache     (num_pages, page_size, H_kv, D)
+    v_cache     (num_pages, page_size, H_kv, D)
+    page_table  (B, max_pages) int32         logical page j of sequence b -> physical page id
+    seq_lens    (B,) int32                   cached tokens of each sequence, <= max_pages * page_size
+    sel         (B, H_kv, max_sel) int32     LOGICAL page indices in [0, max_pages), any order
+    n_sel       (B, H_kv) int32              how many entries of sel are valid; the rest is padding
+    -> out      (B, H_q, D) in q's dtype
+
+Simplifications and rules:
+1. A selected page at or past the sequence's end contributes nothing, and only the tokens at logical
+   positions < seq_len of a partial last page count. Table entries of such pages are never read.
+2. A sequence with seq_len 0, or a (sequence, head) with n_sel 0, outputs zeros (not NaN).
+3. Duplicate pages in a selection are the caller's bug: they are counted twice, and not checked.
+4. Softmax statistics and accumulators are fp32. On a GPU with a bf16/fp16 cache, the two products
+   run on tensor cores in the cache dtype with fp32 accumulation: q is cast to the cache dtype, and
+   the probabilities are rounded to it before P @ V, as in FlashAttention. Other caches (fp32, fp8)
+   and the interpreter compute in fp32 throughout, with exact ("ieee") fp32 dots.
+5. One page table per sequence, shared by all KV heads; the selection may differ per KV head.
+
+Run the benchmark with `python -m kernels.block_sparse_decode` (CUDA: kernel vs SDPA vs
+FlexAttention; CPU: the PyTorch reference only). Tests: `python -m pytest tests/test_kernel.py`,
+which runs the kernel through Triton's interpreter (TRITON_INTERPRET=1) when there is no GPU.
+"""
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter runs the kernel on the CPU with numpy, and its bf16 arithmetic is not faithful,
+# so under it every load is cast to fp32 at once. Triton reads this flag when a kernel is decorated.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+# Tokens per inner-loop tile, warps, pipeline stages. A page of 16 tokens is too small a unit of
+# work, so a tile holds several pages (or a piece of a larger page). Half-precision tiles feed the
+# tensor cores; exact fp32 dots run on the FMA units and need a smaller tile to stay in registers.
+# Tiles are powers of two and >= 16 (tl.dot's minimum). Not tuned on hardware yet.
+HALF_CONFIG = dict(tile_tokens=64, num_warps=4, num_stages=2)
+FP32_CONFIG = dict(tile_tokens=32, num_warps=8, num_stages=2)
+# Auto splitting stops once a split would get fewer pages than this: the merge is not free.
+MIN_PAGES_PER_SPLIT = 4
+
+
+# -----------------------------------------------------------------------------
+# Triton kernels
+
+
+@triton.jit
+def _block_sparse_decode_kernel(
+    Q, K, V, PageTable, SeqLens, Sel, NSel, Out, Lse,
+    stride_qb, stride_qh, stride_qd,
+    stride_kp, stride_kt, stride_kh, stride_kd,
+    stride_vp, stride_vt, stride_vh, stride_vd,
+    stride_ptb, stride_ptj,
+    stride_lb,
+    stride_sb, stride_sh, stride_ss,
+    stride_nb, stride_nh,
+    stride_ob, stride_oh, stride_os, stride_od,
+    num_kv_heads, num_splits, qk_scale,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, CHUNKS_PER_PAGE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program = one (sequence, KV head, split). It owns the G query heads of that KV head and a
+    contiguous share of the selected pages; it writes the normalised partial output of each query
+    head and its log-sum-exp (base 2), which the merge kernel combines when num_splits > 1.
+    The loop walks chunks of CHUNK token slots: a page (padded to a power of two) is
+    CHUNKS_PER_PAGE chunks, and a tile of BLOCK_N tokens is BLOCK_N // CHUNK chunks."""
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // num_kv_heads
+    h = pid_bh % num_kv_heads
+
+    seq_len = tl.load(SeqLens + b * stride_lb)
+    n_sel = tl.load(NSel + b * stride_nb + h * stride_nh)
+    # each split takes a share of this (sequence, head)'s own selection: a ragged batch stays
+    # balanced, and the host never has to read n_sel (no CPU-GPU sync)
+    per_split = tl.cdiv(n_sel, num_splits)
+    start = split * per_split
+    end = tl.minimum(start + per_split, n_sel)
+
+    offs_g = tl.arange(0, BLOCK_G)  # query heads of the group, padded to >= 16 rows for tl.dot
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)  # token slots of a tile
+    g_ok = offs_g < G
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(K.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of p @ v
+
+    for first in range(start * CHUNKS_PER_PAGE, end * CHUNKS_PER_PAGE, BLOCK_N // CHUNK):
+        chunk = first + offs_n // CHUNK  # (BLOCK_N,)
+        idx = chunk // CHUNKS_PER_PAGE  # position in the selection, repeated over a page's tokens
+        within = (chunk % CHUNKS_PER_PAGE) * CHUNK + offs_n % CHUNK  # token slot inside the page
+        slot_ok = idx < end
+        page = tl.load(Sel + b * stride_sb + h * stride_sh + idx * stride_ss, mask=slot_ok, other=0)
+        pos = page * PAGE_SIZE + within  # logical token position
+        # pages past the end and the tail of a partial last page are masked out here, which also
+        # keeps their page-table entries and cache slots (possibly garbage) from being read
+        tok_ok = slot_ok & (within < PAGE_SIZE) & (pos < seq_len)
+        phys = tl.load(PageTable + b * stride_ptb + page * stride_ptj, mask=tok_ok, other=0)
+        phys = phys.to(tl.int64)  # num_pages * page stride can pass 2**31
+        kv_ok = tok_ok[:, None] & d_ok[None, :]
+        k_ptrs = K + phys[:, None] * stride_kp + within[:, None] * stride_kt + h * stride_kh \
+            + offs_d[None, :] * stride_kd
+        v_ptrs = V + phys[:, None] * stride_vp + within[:, None] * stride_vt + h * stride_vh \
+            + offs_d[None, :] * stride_vd
+        k = tl.load(k_ptrs, mask=kv_ok, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_ptrs, mask=kv_ok, other=0.0)  # (BLOCK_N, BLOCK_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a tile with no valid token leaves m_new at -inf; subtracting 0 instead avoids inf - inf
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)  # rescales what was accumulated under the old max
+        p = tl.exp2(s - m_ref[:, None])  # (BLOCK_G, BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # an empty split (or an empty sequence) has l_i = 0: it writes zeros and lse = -inf
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]  # (BLOCK_G, BLOCK_D)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # (BLOCK_G,)
+    heads = h * G + offs_g
+    o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os \
+        + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    num_q_heads = num_kv_heads * G
+    tl.store(Lse + (b * num_q_heads + heads) * num_splits + split, lse, mask=g_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    Part, Lse, Out, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program = one (sequence, query head): out = sum_s w_s * o_s / sum_s w_s with
+    w_s = 2**lse_s. Part (B * H_q, S, D) and Lse (B * H_q, S) are contiguous fp32 buffers."""
+    row = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(Lse + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # (BLOCK_S,)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0, output 0
+    w = tl.exp2(lse - m)
+    part_ptrs = Part + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :]
+    part = tl.load(part_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_S, BLOCK_D)
+    den = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(den > 0.0, den, 1.0)  # (BLOCK_D,)
+    tl.store(Out + row * HEAD_DIM + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+# -----------------------------------------------------------------------------
+# Python wrappers
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(batch, num_kv_heads, max_sel, device):
+    """Enough programs to fill the GPU: aim for >= 2 programs per SM, but give each split at least
+    MIN_PAGES_PER_SPLIT pages (of the padded selection width, so no device value is read)."""
+    device = torch.device(device)
+    if device.type != "cuda" or _INTERPRET:
+        return 1
+    programs = batch * num_kv_heads
+    want = triton.cdiv(2 * _sm_count(device.index if device.index is not None else 0), programs)
+    return max(1, min(want, triton.cdiv(max_sel, MIN_PAGES_PER_SPLIT)))
+
+
+def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel):
+    assert q.dim() == 3, f"q must be (B, H_q, D), got {tuple(q.shape)}"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
+        f"k_cache and v_cache must both be (num_pages, page_size, H_kv, D), got " \
+        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+    B, H_q, D = q.shape
+    H_kv = k_cache.shape[2]
+    assert k_cache.shape[3] == D, f"head_dim of q ({D}) and of the cache ({k_cache.shape[3]}) differ"
+    assert H_q % H_kv == 0, f"H_q ({H_q}) must be a multiple of H_kv ({H_kv})"
+    assert page_table.dim() == 2 and page_table.shape[0] == B, \
+        f"page_table must be (B, max_pages), got {tuple(page_table.shape)}"
+    assert seq_lens.shape == (B,), f"seq_lens must be (B,), got {tuple(seq_lens.shape)}"
+    assert sel.dim() == 3 and sel.shape[:2] == (B, H_kv), \
+        f"sel must be (B, H_kv, max_sel) = ({B}, {H_kv}, _), got {tuple(sel.shape)}"
+    assert n_sel.shape == (B, H_kv), f"n_sel must be (B, H_kv), got {tuple(n_sel.shape)}"
+    for name, t in (("page_table", page_table), ("seq_lens", seq_lens), ("sel", sel), ("n_sel", n_sel)):
+        assert not t.is_floating_point(), f"{name} must be an integer tensor, got {t.dtype}"
+
+
+def block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale=None, num_splits=None):
+    """Attention of the decode queries q (B, H_q, D) over the selected pages of a paged cache, with
+    the Triton kernel. Returns (B, H_q, D) in q's dtype. num_splits=None picks the split count for
+    the GPU (1 under the interpreter); an int forces it. See the module docstring for the contract."""
+    _check_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel)
+    B, H_q, D = q.shape
+    _, page_size, H_kv, _ = k_cache.shape
+    G = H_q // H_kv
+    max_sel = sel.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    if num_splits is None:
+        num_splits = default_num_splits(B, H_kv, max_sel, q.device)
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+
+    # the interpreter casts fp32 -> bf16 by truncation (the GPU rounds): there, let torch round
+    out = torch.empty((B, H_q, D), device=q.device, dtype=torch.float32 if _INTERPRET else q.dtype)
+    lse = torch.empty((B, H_q, num_splits), device=q.device, dtype=torch.float32)
+    if num_splits == 1:  # write the final output directly; the split stride is never used
+        part, part_strides = out, (out.stride(0), out.stride(1), 0, out.stride(2))
+    else:
+        part = torch.empty((B, H_q, num_splits, D), device=q.device, dtype=torch.float32)
+        part_strides = part.stride()
+
+    # A half-precision cache on a GPU goes to the tensor cores as it is (q is cast to its dtype);
+    # anything else (fp32 or fp8 caches, the interpreter) is cast to fp32 after the load and
+    # multiplied exactly.
+    upcast = _INTERPRET or k_cache.dtype not in (torch.float16, torch.bfloat16) \
+        or v_cache.dtype != k_cache.dtype
+    cfg = FP32_CONFIG if upcast else HALF_CONFIG
+    block_t = triton.next_power_of_2(page_size)
+    chunk = min(block_t, cfg["tile_tokens"])
+    grid = (B * H_kv, num_splits)
+    _block_sparse_decode_kernel[grid](
+        q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, part, lse,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(), seq_lens.stride(0),
+        *sel.stride(), *n_sel.stride(), *part_strides,
+        H_kv, num_splits, scale * math.log2(math.e),  # scores in log2 units: exp2 is the fast one
+        G=G, HEAD_DIM=D, PAGE_SIZE=page_size,
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_N=cfg["tile_tokens"], CHUNK=chunk, CHUNKS_PER_PAGE=block_t // chunk,
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",  # tf32 is unused for half inputs
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(B * H_q,)](
+            part, lse, out, num_splits,
+            HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=triton.next_power_of_2(D), num_warps=1,
+        )
+    return out.to(q.dtype)
+
+
+def dense_selection(page_table, seq_lens, num_kv_heads, page_size):
+    """The selection that reads every page of every sequence: dense decode through the same kernel.
+    Returns sel (B, H_kv, max_pages) and n_sel (B, H_kv) as broadcast views (stride 0 over heads)."""
+    B, max_pages = page_table.shape
+    sel = torch.arange(max_pages, device=page_table.device, dtype=torch.int32)
+    sel = sel.expand(B, num_kv_heads, max_pages)
+    n_sel = ((seq_lens + page_size - 1) // page_size).to(torch.int32)
+    return sel, n_sel[:, None].expand(B, num_kv_heads)
+
+
+def decode_attention(q, k_cache, v_cache, page_table, seq_lens, sel=None, n_sel=None, scale=None,
+                     use_triton=None, num_splits=None):
+    """What the rollout engine calls. sel=None means dense (every page). use_triton=None picks the
+    Triton kernel for CUDA tensors and the PyTorch reference elsewhere; True or False forces one."""
+    if sel is None:
+        sel, n_sel = dense_selection(page_table, seq_lens, k_cache.shape[2], k_cache.shape[1])
+    if use_triton is None:
+        use_triton = q.is_cuda
+    if use_triton:
+        return block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale, num_splits)
+    return block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
+
+
+# -----------------------------------------------------------------------------
+# PyTorch reference (also the CPU fast path)
+
+
+def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale=None):
+    """The same contract in plain PyTorch, for the whole batch at once: gather the selected pages,
+    mask padding and tokens past the end, softmax in fp32. Memory is B * H_kv * max_sel pages of
+    K and V in fp32, i.e. the pages the kernel reads, upcast."""
+    _check_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel)
+    B, H_q, D = q.shape
+    _, P, H_kv, _ = k_cache.shape
+    G, S, dev = H_q // H_kv, sel.shape[2], q.device
+    scale = D ** -0.5 if scale is None else scale
+    seq_lens = seq_lens.long()
+
+    slot_ok = torch.arange(S, device=dev) < n_sel[..., None]  # (B, H_kv, S)
+    page = sel.long()
+    page_ok = slot_ok & (page * P < seq_lens[:, None, None])  # (B, H_kv, S)
+    page = torch.where(page_ok, page, 0)  # padding and pages past the end: never look them up
+    phys = page_table.long().gather(1, page.view(B, H_kv * S)).view(B, H_kv, S)
+    phys = torch.where(page_ok, phys, 0)  # their table entries may hold anything
+    pos = page[..., None] * P + torch.arange(P, device=dev)  # (B, H_kv, S, P)
+    tok_ok = (page_ok[..., None] & (pos < seq_lens[:, None, None, None])).view(B, H_kv, 1, S * P)
+
+    heads = torch.arange(H_kv, device=dev)[None, :, None]  # (1, H_kv, 1)
+    # advanced indices split by a slice go first: (B, H_kv, S) + (P, D)
+    k = k_cache[phys, :, heads].reshape(B, H_kv, S * P, D).float()
+    v = v_cache[phys, :, heads].reshape(B, H_kv, S * P, D).float()
+    # masked slots may hold NaN (uninitialised cache): zero them, since 0 * NaN is NaN
+    v = v.masked_fill(~tok_ok.view(B, H_kv, S * P, 1), 0.0)
+
+    qg = q.float().view(B, H_kv, G, D)  # the GQA group of each KV head
+    s = (qg @ k.transpose(-1, -2)) * scale  # (B, H_kv, G, S * P)
+    s = s.masked_fill(~tok_ok, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(m == float("-inf"), 0.0, m)  # nothing valid: p = 0 everywhere, output 0
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    out = (p @ v) / torch.where(l > 0, l, 1.0)  # (B, H_kv, G, D)
+    return out.view(B, H_q, D).to(q.dtype)
+
+
+# -----------------------------------------------------------------------------
+# Benchmark
+
+
+def _make_problem(B, H_kv, G, D, page_size, context, budget_pages, dtype, device, seed=0):
+    """Full-length sequences in a shuffled paged cache, and a Sparrow-style selection per (sequence,
+    KV head): the first page, the two most recent pages, and random others, sorted."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    max_pages = triton.cdiv(context, page_size)
+    num_pages = B * max_pages
+    k_cache = torch.randn(num_pages, page_size, H_kv, D, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_pages, page_size, H_kv, D, generator=gen).to(device, dtype)
+    q = torch.randn(B, G * H_kv, D, generator=gen).to(device, dtype)
+    page_table = torch.randperm(num_pages, generator=gen).view(B, max_pages).to(device, torch.int32)
+    seq_lens = torch.full((B,), context, dtype=torch.int32, device=device)
+    budget = min(budget_pages, max_pages)
+    if budget == max_pages:
+        sel, n_sel = dense_selection(page_table, seq_lens, H_kv, page_size)
+        return q, k_cache, v_cache, page_table, seq_lens, sel.contiguous(), n_sel.contiguous()
+    middle = torch.rand(B, H_kv, max_pages - 3, generator=gen).argsort(-1)[..., :budget - 3] + 1
+    edges = torch.tensor([0, max_pages - 2, max_pages - 1]).expand(B, H_kv, 3)
+    sel = torch.cat([edges, middle], -1).sort(-1).values.to(device, torch.int32)
+    n_sel = torch.full((B, H_kv), budget, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, page_table, seq_lens, sel, n_sel
+
+
+def _bytes_read(k_cache, page_table, seq_lens, sel, n_sel):
+    """Bytes of K and V that a page-reading kernel actually loads: valid tokens of selected pages."""
+    _, P, H_kv, D = k_cache.shape
+    slot_ok = torch.arange(sel.shape[2], device=sel.device) < n_sel[..., None]
+    tokens = (seq_lens.long()[:, None, None] - sel.long() * P).clamp(0, P) * slot_ok
+    return int(tokens.sum()) * D * 2 * k_cache.element_size()
+
+
+def _bench_cuda(configs):
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    import torch.nn.functional as F
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    print(f"{'B':>3} {'Hkv':>3} {'G':>2} {'D':>4} {'ctx':>6} {'pages':>6} | "
+          f"{'kernel us':>9} {'GB/s':>6} | {'SDPA dense us':>13} {'GB/s':>6} | {'flex us':>8} {'GB/s':>6}")
+    for B, H_kv, G, D, page_size, context, budget in configs:
+        q, k_cache, v_cache, page_table, seq_lens, sel, n_sel = _make_problem(
+            B, H_kv, G, D, page_size, context, budget, torch.bfloat16, "cuda")
+        max_pages, scale = page_table.shape[1], D ** -0.5
+        out = block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel)
+        ref = block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err < 2e-2, f"kernel differs from the reference by {err}"
+
+        # the unpaged copy that SDPA and FlexAttention read: (B, H_kv, T, D)
+        kc = k_cache[page_table.long()].flatten(1, 2).transpose(1, 2).contiguous()
+        vc = v_cache[page_table.long()].flatten(1, 2).transpose(1, 2).contiguous()
+        q4 = q[:, :, None, :]  # (B, H_q, 1, D)
+        # FlexAttention on the same logical pages, one KV block per page. The selection is per KV
+        # head, and flex's decoding kernel takes a per-head block mask only without GQA, so the G
+        # queries of a group go in as G query positions of one head: (B, H_kv, G, D).
+        kv_indices = torch.zeros(B, H_kv, 1, max_pages, dtype=torch.int32, device="cuda")
+        kv_indices[..., :sel.shape[2]] = sel[:, :, None]
+        block_mask = BlockMask.from_kv_blocks(
+            n_sel[..., None].contiguous(), kv_indices, BLOCK_SIZE=(128, page_size),
+            seq_lengths=(G, max_pages * page_size), compute_q_blocks=False,
+            mask_mod=lambda b, h, q_idx, kv_idx: kv_idx < seq_lens[b])
+        q_groups = q.view(B, H_kv, G, D)
+
+        run_kernel = lambda: block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel)
+        run_sdpa = lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)
+        run_flex = lambda: flex(q_groups, kc, vc, block_mask=block_mask, scale=scale)
+        flex_err = (run_flex().reshape(B, H_kv * G, D).float() - ref.float()).abs().max().item()
+        assert flex_err < 2e-2, f"FlexAttention differs from the reference by {flex_err}"
+
+        sparse_bytes = _bytes_read(k_cache, page_table, seq_lens, sel, n_sel)
+        dense_bytes = kc.numel() * kc.element_size() * 2
+        t_kernel, t_sdpa, t_flex = (triton.testing.do_bench(f) * 1e3 for f in (run_kernel, run_sdpa, run_flex))
+        gbs = lambda nbytes, us: nbytes / us / 1e3
+        print(f"{B:>3} {H_kv:>3} {G:>2} {D:>4} {context:>6} {int(n_sel.max()):>6} | "
+              f"{t_kernel:>9.1f} {gbs(sparse_bytes, t_kernel):>6.0f} | "
+              f"{t_sdpa:>13.1f} {gbs(dense_bytes, t_sdpa):>6.0f} | "
+              f"{t_flex:>8.1f} {gbs(sparse_bytes, t_flex):>6.0f}")
+
+
+def _bench_cpu():
+    import time
+
+    print("no CUDA: timing the PyTorch reference only (the CPU path of decode_attention)")
+    for budget in (8, 32, 128):  # 128 pages of 16 = the whole 2,048-token context: dense
+        problem = _make_problem(4, 2, 4, 64, 16, 2048, budget, torch.float32, "cpu")
+        block_sparse_decode_ref(*problem)  # warm up
+        t0 = time.perf_counter()
+        for _ in range(10):
+            block_sparse_decode_ref(*problem)
+        ms = (time.perf_counter() - t0) / 10 * 1e3
+        print(f"B=4 H_kv=2 G=4 D=64 ctx=2048 pages read={budget:>4}: {ms:.2f} ms")
+
+
+if __name__ == "__main__":
+    if torch.cuda.is_available():
+        # (B, H_kv, G, D, page_size, context, pages selected); Qwen3-1.7B has H_kv=8, G=2, D=128
+        _bench_cuda([
+            (1, 8, 2, 128, 16, 32768, 2048),  # dense: everything selected
+            (1, 8, 2, 128, 16, 32768, 128),  # a 2,048-token budget at 32K, batch 1: splits matter
+            (16, 8, 2, 128, 16, 32768, 128),
+            (16, 8, 2, 128, 16, 32768, 2048),
+            (64, 8, 2, 128, 16, 8192, 128),
+            (16, 8, 4, 128, 64, 32768, 32),  # 64-token pages
+        ])
+    else:
+        _bench_cpu()

@@ -1,0 +1,300 @@
+"""The block-sparse decode kernel against its PyTorch reference, and the reference against SDPA.
+
+Without a GPU the kernel runs through Triton's interpreter, which must be switched on before the
+kernel module is imported (Triton reads the flag when it decorates a kernel). Shapes stay tiny: the
+interpreter runs every program in numpy.
+"""
+import os
+
+# before the kernel module is imported; a caller may set it to 0 to compile for a real GPU
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.block_sparse_decode as bsd
+
+if bsd._INTERPRET != (os.environ["TRITON_INTERPRET"] == "1"):  # imported earlier under the other mode
+    bsd = importlib.reload(bsd)
+
+from kernels.block_sparse_decode import (block_sparse_decode, block_sparse_decode_ref, decode_attention,
+                                         dense_selection, default_num_splits)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_case(seq_lens, H_kv=2, G=2, D=64, page_size=16, dtype=torch.float32, sparse=False,
+              past_end=False, seed=0):
+    """A paged cache for sequences of the given lengths, with shuffled physical pages, a selection per
+    (sequence, KV head) in random order, and traps: NaN in every slot that must not be read (spare
+    pages, the tail of partial pages), -1 in unused page-table entries, junk in the padding of sel."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(seq_lens)
+    n_pages = [-(-n // page_size) for n in seq_lens]  # pages each sequence uses
+    max_pages = max(n_pages) + 1  # one more column than needed: entries that must not be read
+    num_pages = sum(n_pages) + 3  # spare physical pages, never referenced
+    perm = torch.randperm(num_pages, generator=gen)
+    page_table = torch.full((B, max_pages), -1, dtype=torch.int32)
+    k_cache = torch.full((num_pages, page_size, H_kv, D), float("nan"))
+    v_cache = torch.full((num_pages, page_size, H_kv, D), float("nan"))
+    k_dense = torch.randn(B, H_kv, max(seq_lens + [1]), D, generator=gen)  # (B, H_kv, T, D) unpaged
+    v_dense = torch.randn(B, H_kv, max(seq_lens + [1]), D, generator=gen)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        for j in range(n_pages[b]):
+            phys = int(perm[used]); used += 1
+            page_table[b, j] = phys
+            t0, t1 = j * page_size, min((j + 1) * page_size, n)
+            k_cache[phys, :t1 - t0] = k_dense[b, :, t0:t1].transpose(0, 1)
+            v_cache[phys, :t1 - t0] = v_dense[b, :, t0:t1].transpose(0, 1)
+
+    max_sel = max_pages + 2
+    sel = torch.randint(-7, 1000, (B, H_kv, max_sel), generator=gen, dtype=torch.int32)  # junk padding
+    n_sel = torch.zeros(B, H_kv, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H_kv):
+            pages = torch.randperm(n_pages[b], generator=gen)
+            if sparse and n_pages[b] > 1:
+                pages = pages[:int(torch.randint(1, n_pages[b], (1,), generator=gen))]
+            if past_end:  # a page at the end of the table: no tokens, table entry -1
+                pages = torch.cat([pages, torch.tensor([max_pages - 1])])[torch.randperm(len(pages) + 1, generator=gen)]
+            sel[b, h, :len(pages)] = pages
+            n_sel[b, h] = len(pages)
+
+    q = torch.randn(B, G * H_kv, D, generator=gen)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    case = dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, seq_lens=seq_lens, sel=sel, n_sel=n_sel)
+    case = {k: v.to(dtype) if v.is_floating_point() else v for k, v in case.items()}
+    return case, k_dense, v_dense
+
+
+def assert_close(out, ref, dtype):
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == ref.dtype
+    assert not out.isnan().any(), "NaN in the output: a masked slot was read"
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= atol, f"max abs error {err} > {atol}"
+
+
+# -----------------------------------------------------------------------------
+# the reference proves itself against dense attention
+
+
+@pytest.mark.parametrize("G,D", [(1, 64), (2, 128), (4, 64), (8, 128)])
+def test_reference_full_selection_equals_sdpa(G, D):
+    seq_lens = [37, 16, 1, 50]  # ragged, a full page, one token, partial pages
+    case, k_dense, v_dense = make_case(seq_lens, H_kv=2, G=G, D=D, seed=G)
+    sel, n_sel = dense_selection(case["page_table"], case["seq_lens"], 2, 16)
+    out = block_sparse_decode_ref(**{**case, "sel": sel, "n_sel": n_sel})
+    T = k_dense.shape[2]
+    mask = (torch.arange(T) < case["seq_lens"][:, None])[:, None, None, :]  # (B, 1, 1, T)
+    k = k_dense.repeat_interleave(G, 1)  # (B, H_q, T, D)
+    v = v_dense.repeat_interleave(G, 1)
+    want = F.scaled_dot_product_attention(case["q"][:, :, None], k, v, attn_mask=mask)[:, :, 0]
+    assert_close(out, want, torch.float32)
+
+
+def test_reference_sparse_equals_sdpa_on_selected_tokens():
+    """With a sparse selection the reference is dense attention restricted to the selected pages."""
+    case, k_dense, v_dense = make_case([45, 29], H_kv=2, G=2, D=64, sparse=True, past_end=True, seed=3)
+    out = block_sparse_decode_ref(**case)
+    T = k_dense.shape[2]
+    page_of = torch.arange(T) // 16
+    for b in range(2):
+        for h in range(2):
+            chosen = case["sel"][b, h, :case["n_sel"][b, h]].long()
+            keep = torch.isin(page_of, chosen) & (torch.arange(T) < case["seq_lens"][b])
+            q = case["q"][b, 2 * h:2 * h + 2, None]  # (G, 1, D)
+            k, v = k_dense[b, h, keep][None], v_dense[b, h, keep][None]
+            want = F.scaled_dot_product_attention(q, k.expand(2, -1, -1), v.expand(2, -1, -1))[:, 0]
+            assert_close(out[b, 2 * h:2 * h + 2], want, torch.float32)
+
+
+# -----------------------------------------------------------------------------
+# the kernel equals the reference
+
+
+@pytest.mark.parametrize("G", [1, 2, 4, 8])
+@pytest.mark.parametrize("D", [64, 128])
+def test_kernel_gqa_and_head_dim(G, D):
+    case, _, _ = make_case([40, 7, 23], H_kv=2, G=G, D=D, sparse=True, seed=10 * G + D)
+    assert_close(block_sparse_decode(**case), block_sparse_decode_ref(**case), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_kernel_full_and_sparse_selection(dtype, sparse):
+    case, _, _ = make_case([57, 33, 16], H_kv=2, G=4, D=128, dtype=dtype, sparse=sparse, seed=5)
+    assert_close(block_sparse_decode(**case), block_sparse_decode_ref(**case), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_split_path(num_splits, dtype):
+    # 7 and 5 pages do not divide by 2 or 3; the 1-page sequence leaves some splits empty
+    case, _, _ = make_case([110, 70, 9], H_kv=2, G=2, D=64, dtype=dtype, seed=num_splits)
+    want = block_sparse_decode_ref(**case)
+    assert_close(block_sparse_decode(**case, num_splits=num_splits), want, dtype)
+
+
+def test_kernel_more_splits_than_pages():
+    case, _, _ = make_case([20, 3], H_kv=1, G=4, D=64, sparse=True, seed=1)
+    assert_close(block_sparse_decode(**case, num_splits=5), block_sparse_decode_ref(**case), torch.float32)
+
+
+@pytest.mark.parametrize("page_size,tile", [(8, 32), (16, 16), (16, 64), (64, 32)])
+def test_kernel_page_and_tile_sizes(page_size, tile, monkeypatch):
+    """Several pages per tile, exactly one, and a page split over two tiles."""
+    monkeypatch.setitem(bsd.FP32_CONFIG, "tile_tokens", tile)
+    case, _, _ = make_case([100, 61], H_kv=2, G=2, D=64, page_size=page_size, sparse=True, seed=page_size)
+    assert_close(block_sparse_decode(**case), block_sparse_decode_ref(**case), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_one_page_only(dtype):
+    case, _, _ = make_case([5, 16, 1], H_kv=2, G=8, D=128, dtype=dtype, seed=2)
+    assert_close(block_sparse_decode(**case), block_sparse_decode_ref(**case), dtype)
+
+
+def test_kernel_strided_inputs():
+    """K and V as views into one fused cache, q a slice of a wider tensor."""
+    case, _, _ = make_case([50, 19], H_kv=2, G=4, D=64, seed=4)
+    kv = torch.stack([case["k_cache"], case["v_cache"]], 2)  # (num_pages, page_size, 2, H_kv, D)
+    q_wide = torch.cat([case["q"], torch.randn_like(case["q"])], -1)  # (B, H_q, 2 * D)
+    strided = {**case, "k_cache": kv[:, :, 0], "v_cache": kv[:, :, 1], "q": q_wide[..., :64]}
+    assert not strided["k_cache"].is_contiguous() and not strided["q"].is_contiguous()
+    assert_close(block_sparse_decode(**strided), block_sparse_decode_ref(**case), torch.float32)
+
+
+# -----------------------------------------------------------------------------
+# edge cases of the contract
+
+
+def test_pages_past_the_end_contribute_nothing():
+    case, _, _ = make_case([45, 29], H_kv=2, G=2, D=64, sparse=True, past_end=True, seed=6)
+    without = {**case, "sel": case["sel"].clone(), "n_sel": case["n_sel"].clone()}
+    for b in range(2):
+        for h in range(2):
+            chosen = [p for p in case["sel"][b, h, :case["n_sel"][b, h]].tolist() if p * 16 < case["seq_lens"][b]]
+            without["sel"][b, h, :len(chosen)] = torch.tensor(chosen)
+            without["n_sel"][b, h] = len(chosen)
+    assert (without["n_sel"] < case["n_sel"]).all()
+    want = block_sparse_decode_ref(**without)
+    assert_close(block_sparse_decode_ref(**case), want, torch.float32)
+    assert_close(block_sparse_decode(**case), want, torch.float32)
+
+
+def test_selection_order_does_not_matter():
+    case, _, _ = make_case([80, 41], H_kv=2, G=2, D=64, sparse=True, seed=7)
+    flipped = {**case, "sel": case["sel"].clone()}
+    for b in range(2):
+        for h in range(2):
+            n = int(case["n_sel"][b, h])
+            flipped["sel"][b, h, :n] = case["sel"][b, h, :n].flip(0)
+    want = block_sparse_decode_ref(**case)
+    assert_close(block_sparse_decode_ref(**flipped), want, torch.float32)
+    assert_close(block_sparse_decode(**flipped, num_splits=2), want, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_empty_sequence_and_empty_selection_give_zeros(num_splits):
+    case, _, _ = make_case([0, 30, 30], H_kv=2, G=2, D=64, seed=8)
+    case["n_sel"][2, 1] = 0  # one head of one sequence reads nothing
+    for fn in (block_sparse_decode_ref, lambda **c: block_sparse_decode(**c, num_splits=num_splits)):
+        out = fn(**case)
+        assert (out[0] == 0).all() and (out[2, 2:4] == 0).all()
+        assert (out[1] != 0).any() and (out[2, 0:2] != 0).any()
+    assert_close(block_sparse_decode(**case, num_splits=num_splits), block_sparse_decode_ref(**case), torch.float32)
+
+
+def test_decode_attention_dispatch_and_dense_default():
+    case, k_dense, v_dense = make_case([33, 12], H_kv=1, G=4, D=64, seed=9)
+    dense = {k: v for k, v in case.items() if k not in ("sel", "n_sel")}
+    via_ref = decode_attention(**dense)  # CPU tensors: the reference, every page
+    via_kernel = decode_attention(**dense, use_triton=True)
+    assert_close(via_kernel, via_ref, torch.float32)
+    sel, n_sel = dense_selection(case["page_table"], case["seq_lens"], 1, 16)
+    assert_close(via_ref, block_sparse_decode_ref(**dense, sel=sel, n_sel=n_sel), torch.float32)
+    assert default_num_splits(2, 1, 8, "cpu") == 1
+
+
+def test_custom_scale():
+    case, _, _ = make_case([40], H_kv=1, G=2, D=64, sparse=True, seed=11)
+    out = block_sparse_decode(**case, scale=0.3)
+    assert_close(out, block_sparse_decode_ref(**case, scale=0.3), torch.float32)
+    assert (out - block_sparse_decode_ref(**case)).abs().max() > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# the real GPU compiler (the interpreter accepts shapes that it rejects)
+
+
+def _run_without_interpreter(script):
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_kernels_compile_for_hopper():
+    """Compile both kernels to sm_90 machine code, no GPU needed: the tensor-core path (bf16) and the
+    exact fp32 path, each with a GQA group below tl.dot's minimum of 16 rows."""
+    pytest.importorskip("triton.backends.nvidia")
+    _run_without_interpreter("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        import kernels.block_sparse_decode as bsd
+
+        def compile(fn, pointers, constexprs, **options):
+            sig = {}
+            for p in fn.params:
+                if p.is_constexpr:
+                    sig[p.name] = "constexpr"
+                elif p.name in pointers:
+                    sig[p.name] = "*" + pointers[p.name]
+                else:
+                    sig[p.name] = "fp32" if p.name == "qk_scale" else "i32"
+            return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+
+        for dt, upcast, G, D, page, tile in [("bf16", False, 2, 128, 16, 64), ("fp32", True, 8, 64, 64, 32)]:
+            ptrs = dict(Q=dt, K=dt, V=dt, Out=dt, Lse="fp32", PageTable="i32", SeqLens="i32", Sel="i32", NSel="i32")
+            chunk = min(page, tile)
+            k = compile(bsd._block_sparse_decode_kernel, ptrs, dict(
+                G=G, HEAD_DIM=D, PAGE_SIZE=page, BLOCK_G=16, BLOCK_D=D, BLOCK_N=tile, CHUNK=chunk,
+                CHUNKS_PER_PAGE=page // chunk, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32"),
+                num_warps=4, num_stages=2)
+            assert ("mma" in k.asm["ptx"]) == (not upcast)  # tensor cores only on the half path
+            assert len(k.asm["cubin"]) > 0
+        k = compile(bsd._merge_splits_kernel, dict(Part="fp32", Lse="fp32", Out="bf16"),
+                    dict(HEAD_DIM=128, BLOCK_S=4, BLOCK_D=128), num_warps=1)
+        assert len(k.asm["cubin"]) > 0
+    """)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_on_gpu():
+    """The compiled kernel on a real GPU, in a process without the interpreter."""
+    _run_without_interpreter("""
+        import torch
+        import tests.test_kernel as t
+        from kernels.block_sparse_decode import block_sparse_decode, block_sparse_decode_ref
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for G, D, page, splits in [(1, 64, 16, None), (2, 128, 16, 1), (4, 128, 64, 3), (8, 64, 16, 2)]:
+                case, _, _ = t.make_case([300, 17, 129, 64], H_kv=2, G=G, D=D, page_size=page, dtype=dtype,
+                                         sparse=G % 2 == 0, past_end=True, seed=G)
+                case = {k: v.cuda() for k, v in case.items()}
+                out = block_sparse_decode(**case, num_splits=splits)
+                ref = block_sparse_decode_ref(**case)
+                atol = 1e-4 if dtype == torch.float32 else 2e-2  # exp2 is approximate on the GPU
+                err = (out.float() - ref.float()).abs().max().item()
+                assert err <= atol and not out.isnan().any(), (dtype, G, D, page, splits, err)
+    """)
