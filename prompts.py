@@ -62,7 +62,8 @@ def make_synthetic(n: int, seed: int, difficulty: Union[int, tuple[int, int]] = 
         d = rng.randint(lo, hi)
         names = rng.sample(string.ascii_lowercase, min(26, d + 2))
         values = {name: rng.randint(0, 9) for name in names}
-        terms = [rng.choice(names) for _ in range(d)]
+        # distinct terms while there are enough names (each step is then one unambiguous lookup), repeats beyond
+        terms = rng.sample(names, d) if d <= len(names) else [rng.choice(names) for _ in range(d)]
         prompt = ",".join(f"{k}={v}" for k, v in values.items()) + "?" + "+".join(terms) + "\n"
         trace, answer = _trace(values, terms)
         out.append(Problem(prompt, answer, "synthetic", {"difficulty": d, "trace": trace}))

@@ -53,7 +53,8 @@ class Config:
     out_dir: str = "out/tiny"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "float32"  # float32 | bfloat16 (weights and compute of the policy)
+    dtype: str = "float32"  # float32 | bfloat16: the policy's weights (and optimizer state)
+    autocast: str = "none"  # none | bfloat16: compute dtype of rollouts and training forwards on CUDA
     resume: bool = False  # continue from out_dir/ckpt
     threads: int = 0  # torch CPU threads; 0 = torch's default
     # model: a hub name or a local HF folder; empty = the tiny model below, warm-started by SFT
@@ -527,12 +528,16 @@ def main(argv):
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     sampler = PromptSampler(train_p, cfg.seed)
+    if cfg.autocast not in ("none", "bfloat16"):
+        raise ValueError(f"config key 'autocast' must be none or bfloat16, got {cfg.autocast!r}")
+    amp = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.autocast == "bfloat16")
     start, history = 0, {"records": [], "acc0": None}
     if cfg.resume:
         start, history = load_checkpoint(cfg, model, opt, sampler, dev)
         log(f"resumed from step {start}")
     else:
-        history["acc0"] = evaluate(cfg, greedy, eval_p, eval_ids, rank, world)
+        with amp:
+            history["acc0"] = evaluate(cfg, greedy, eval_p, eval_ids, rank, world)
         log(f"held-out accuracy before RL: {history['acc0']:.3f} on {len(eval_p)} problems")
     log(f"policy: {model.num_params() / 1e6:.2f}M parameters on {dev} ({cfg.dtype}), world size {world}; "
         f"{len(train_p)} training prompts")
@@ -545,10 +550,11 @@ def main(argv):
                      dynamic_ncols=True):
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        rec = rl_step(cfg, step, model, ddp_model, engine, opt, sampler, train_ids, rank, world, log)
-        last = step == cfg.steps - 1
-        if (step + 1) % cfg.eval_every == 0 or last:
-            rec["acc"] = evaluate(cfg, greedy, eval_p, eval_ids, rank, world)
+        with amp:
+            rec = rl_step(cfg, step, model, ddp_model, engine, opt, sampler, train_ids, rank, world, log)
+            last = step == cfg.steps - 1
+            if (step + 1) % cfg.eval_every == 0 or last:
+                rec["acc"] = evaluate(cfg, greedy, eval_p, eval_ids, rank, world)
         history["records"].append(rec)
         log(fmt(rec))
         if rank == 0:
@@ -556,6 +562,13 @@ def main(argv):
                 f.write(json.dumps(rec) + "\n")
         if rank == 0 and ((step + 1) % cfg.save_every == 0 or last):
             save_checkpoint(cfg, model, tok, opt, sampler, step + 1, history)
+    from model import weight_checksum
+    sums = [weight_checksum(model)]
+    if world > 1:  # DDP keeps replicas identical; check it instead of trusting it
+        sums = [None] * world
+        torch.distributed.all_gather_object(sums, weight_checksum(model))
+    history["checksums"] = sums
+    log(f"weight checksum per rank: {' '.join(sums)}" + (" (identical)" if len(set(sums)) == 1 else " (DIFFERENT)"))
     if rank == 0:
         summarize(cfg, history, time.perf_counter() - t_start, log)
     if world > 1:

@@ -1,0 +1,170 @@
+"""Stage 4 and the loop: config errors, advantages and loss by hand, log-probs, NaN skipping, resume, torchrun."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from model import ModelConfig, Transformer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_overrides_and_types(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("# a comment\nsteps = 7\nlr = 1  # an int where a float is wanted is fine\ndifficulty = [3, 4]\n")
+    cfg = train.parse_config([str(f), "--group_size=4", "--plot=false", "--stop=###"])
+    assert (cfg.steps, cfg.lr, cfg.difficulty, cfg.group_size, cfg.plot, cfg.stop) == (7, 1.0, (3, 4), 4, False, "###")
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--stpes=3"], "unknown config key 'stpes' \\(did you mean 'steps'\\?\\)"),
+    (["--steps=many"], "config key 'steps' wants int"),
+    (["--steps=2.5"], "config key 'steps' wants int"),
+    (["--plot=maybe"], "config key 'plot' wants a bool"),
+    (["--steps"], "must look like --key=value"),
+])
+def test_config_errors_name_the_key(argv, msg):
+    with pytest.raises(ValueError, match=msg):
+        train.parse_config(argv)
+
+
+def test_config_file_unknown_key(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("learning_rate = 3e-4\n")
+    with pytest.raises(ValueError, match="unknown config key 'learning_rate'"):
+        train.parse_config([str(f)])
+
+
+def test_cli_reports_config_error_without_traceback():
+    r = subprocess.run([sys.executable, "train.py", "--bogus=1"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown config key 'bogus'" in r.stderr and "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- advantages and loss
+
+
+def test_group_advantages_by_hand():
+    adv, keep = train.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]), 4)
+    assert torch.allclose(adv[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)  # mean .5, std .5
+    assert torch.equal(adv[4:], torch.zeros(4)) and keep.tolist() == [True, False]  # all equal: no signal
+    adv, keep = train.group_advantages(torch.tensor([0.2, 0.2, 0.8]), 3)  # non-binary rewards
+    assert keep.tolist() == [True] and torch.allclose(adv, torch.tensor([-0.7071, -0.7071, 1.4142]), atol=1e-4)
+
+
+def test_pg_loss_by_hand_with_clip_boundaries_and_padding():
+    old = torch.zeros(2, 3)
+    # ratios: row 0 (A = +1): 1.0, 1.5 (clipped at 1.28), 0.5 (not clipped for A > 0)
+    #         row 1 (A = -1): 0.5 (clipped at 0.8), 1.2, and a padded position that must not count
+    logp = torch.log(torch.tensor([[1.0, 1.5, 0.5], [0.5, 1.2, 9.0]]))
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, s = train.pg_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    want = -(1.0 + 1.28 + 0.5) - (-0.8 - 1.2)  # min(r A, clip(r) A) per token, summed, negated
+    assert loss.item() == pytest.approx(want, abs=1e-5)
+    assert s["clipped"] == 2  # token (0,1) above 1 + clip_high with A > 0, token (1,0) below 1 - clip_low with A < 0
+    # gradient flows only where the objective is not clipped
+    logp.requires_grad_(True)
+    train.pg_loss(logp, old, adv, mask, 0.2, 0.28)[0].backward()
+    g = logp.grad
+    assert g[0, 1] == 0 and g[1, 0] == 0 and g[1, 2] == 0 and g[0, 0] == pytest.approx(-1.0)
+
+
+def test_pg_loss_kl_term():
+    lp, ref = torch.zeros(1, 2), torch.log(torch.tensor([[0.5, 2.0]]))
+    loss, _ = train.pg_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.2, ref, kl_coef=0.5)
+    d = ref[0]
+    assert loss.item() == pytest.approx(0.5 * (torch.exp(d) - d - 1).sum().item(), abs=1e-6)
+
+
+def tiny(seed=0, vocab=20):
+    torch.manual_seed(seed)
+    return Transformer(ModelConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, intermediate_size=64))
+
+
+def test_token_logprobs_alignment_and_packing():
+    m = tiny().eval()
+    prompts = [[3, 4, 5], [6]]
+    comps = [torch.tensor([7, 8, 0]), torch.tensor([9, 10, 11])]
+    masks = [torch.tensor([True, True, False]), torch.tensor([True, True, True])]
+    ids, tmask = train.build_batch(prompts, comps, masks, pad_id=0)
+    assert ids.tolist() == [[3, 4, 5, 7, 8], [6, 9, 10, 11, 0]]
+    with torch.no_grad():
+        lp = train.token_logprobs(m, ids, tmask)
+        lp_packed = train.token_logprobs(m, ids, tmask, packed=True)
+        for i, (p, c, k) in enumerate(zip(prompts, comps, masks)):  # the slow way: one row at a time
+            seq = torch.tensor([p + c[k].tolist()])
+            full = m(seq)[0].log_softmax(-1)
+            want = [full[len(p) - 1 + j, t].item() for j, t in enumerate(c[k].tolist())]
+            assert torch.allclose(lp[i][tmask[i]], torch.tensor(want), atol=1e-5)
+    assert torch.allclose(lp, lp_packed, atol=1e-5)
+
+
+def test_nonfinite_loss_skips_the_step_and_keeps_weights():
+    m = tiny()
+    cfg = train.Config(micro_batch=4)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = torch.randint(1, 20, (2, 6))
+    tmask = torch.zeros(2, 6, dtype=torch.bool)
+    tmask[:, 2:5] = True
+    stats = train.train_on(cfg, m, m, opt, ids, tmask, torch.tensor([float("nan"), 1.0]), world=1)
+    assert stats[3].item() == 1  # one step skipped
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    stats = train.train_on(cfg, m, m, opt, ids, tmask, torch.tensor([-1.0, 1.0]), world=1)
+    assert stats[3].item() == 0 and any(not torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+# ----------------------------------------------------------------------------- the loop: resume and torchrun
+
+TINY_RUN = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--ffn=64", "--sft_steps=3", "--sft_batch=8",
+            "--n_train=64", "--n_eval=8", "--prompts_per_step=4", "--group_size=4", "--max_new_tokens=12",
+            "--steps=4", "--eval_every=100", "--plot=false", "--difficulty=(1,2)", "--lr=1e-2", "--passes=2",
+            "--minibatches=2", "--micro_batch=4"]
+
+
+def fake_score(problems, texts):  # a reward with spread on an untrained model: the parity of the text length
+    return [float(len(t) % 2) for t in texts]
+
+
+def test_resume_gives_the_same_next_loss(tmp_path, monkeypatch):
+    import reward
+    monkeypatch.setattr(reward, "score", fake_score)
+    full = train.main(TINY_RUN + [f"--out_dir={tmp_path / 'a'}", "--save_every=100"])["records"]
+    assert full[2]["loss"] != 0.0  # the comparison below means something
+
+    real_step = train.rl_step
+
+    def crash_at_2(cfg, step, *a, **k):
+        if step == 2:
+            raise KeyboardInterrupt("killed")
+        return real_step(cfg, step, *a, **k)
+
+    monkeypatch.setattr(train, "rl_step", crash_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(TINY_RUN + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
+    monkeypatch.setattr(train, "rl_step", real_step)
+    resumed = train.main(TINY_RUN + [f"--out_dir={tmp_path / 'b'}", "--save_every=2", "--resume=true"])["records"]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert resumed[2]["loss"] == pytest.approx(full[2]["loss"], abs=1e-6)
+    assert resumed[3]["loss"] == pytest.approx(full[3]["loss"], abs=1e-6)
+    lines = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["step"] for l in lines] == [0, 1, 2, 3]
+
+
+def test_torchrun_two_ranks_end_identical(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "train.py",
+           *TINY_RUN, "--steps=2", "--threads=1", f"--out_dir={tmp_path}"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("weight checksum per rank")][0]
+    sums = line.split(":")[1].split("(")[0].split()
+    assert len(sums) == 2 and sums[0] == sums[1] and "(identical)" in line
