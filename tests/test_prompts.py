@@ -9,13 +9,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from prompts import (  # noqa: E402
-    GSM8K_INSTRUCTION, MATH_INSTRUCTION, Problem, PromptSampler, build_char_tokenizer, format_prompt,
-    load_gsm8k, load_math, make_synthetic, problems_from_gsm8k_rows, problems_from_math_rows, synthetic_trace,
+    CODE_INSTRUCTION, GSM8K_INSTRUCTION, MATH_INSTRUCTION, Problem, PromptSampler, build_char_tokenizer,
+    format_prompt, load_gsm8k, load_math, load_mbpp, make_synthetic, problems_from_gsm8k_rows,
+    problems_from_math_rows, problems_from_mbpp_rows, synthetic_trace,
 )
 
 FIX = os.path.join(ROOT, "tests", "fixtures")
 GSM = os.path.join(FIX, "gsm8k_small.jsonl")
 MATH = os.path.join(FIX, "math_small.jsonl")
+MBPP = os.path.join(FIX, "mbpp_small.jsonl")
 
 
 # ---------------------------------------------------------------- synthetic task
@@ -256,6 +258,40 @@ def test_loaded_problems_score_one_on_their_reference_solutions():
     assert len(probs) == 9
     for p in probs:
         assert score_one(p, p.meta["solution"]) == 1.0
+
+
+def test_load_mbpp_jsonl():
+    with pytest.warns(UserWarning) as rec:
+        probs = load_mbpp(MBPP)
+    msgs = [str(w.message) for w in rec]
+    assert msgs == [f"mbpp ({MBPP}): skipped 1 of 5 malformed rows: no usable 'test_list': 1"]
+    assert [p.meta["task_id"] for p in probs] == [901, 902, 903, 904]
+    p = probs[0]
+    assert p.task == "code" and p.answer.startswith("def digit_sum(n):")
+    assert p.prompt == ("Write a function to find the sum of the digits of a non-negative integer.\n"
+                        "Your code should pass this test:\nassert digit_sum(0) == 0" + CODE_INSTRUCTION)
+    assert "```python" in CODE_INSTRUCTION
+    assert p.meta["test_list"][1] == "assert digit_sum(123) == 6" and p.meta["test_setup_code"] == ""
+    q = probs[2]  # its first test uses a name from the setup code, so the prompt shows that code too
+    assert "data = [1, 2, 3, 4, 6]\nassert count_even(data) == 3" in q.prompt
+    assert q.meta["challenge_test_list"] == ["assert count_even(list(range(10 ** 5))) == 50000"]
+
+
+def test_mbpp_hub_name_and_bad_rows(monkeypatch):
+    import datasets
+
+    calls = []
+    row = {"task_id": 1, "text": "Add.", "code": "def add(a, b): return a + b",
+           "test_list": ["assert add(1, 2) == 3"], "test_setup_code": "", "challenge_test_list": []}
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or [row])
+    assert load_mbpp(split="test", limit=1)[0].meta["task_id"] == 1
+    assert calls == [(("google-research-datasets/mbpp",), {"split": "test"})]
+    bad = [dict(row, text=""), dict(row, test_list="assert x"), dict(row, test_list=[""]),
+           dict(row, test_setup_code=3), {k: v for k, v in row.items() if k != "code"}]
+    want = ("skipped 5 of 5 malformed rows: empty 'text': 1, no usable 'test_list': 2, "
+            "non-string 'test_setup_code': 1, missing 'code': 1")
+    with pytest.raises(ValueError, match=want):
+        problems_from_mbpp_rows(bad)
 
 
 # ---------------------------------------------------------------- sampler

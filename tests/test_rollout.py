@@ -1,9 +1,12 @@
-"""The engine against the naive full-recompute loop, and its sampling and stopping rules."""
+"""The engine against the naive full-recompute loop, its sampling and stopping rules, the paged cache
+(prefix sharing, freeing), and sparse decode (full budget equals dense, small budgets stay finite)."""
 import pytest
 import torch
 
+import rollout
 from model import ModelConfig, Transformer
 from rollout import Engine, generate_naive, sample
+from sparsity import dense_budget, fixed_budget, fraction_budget
 
 
 class CharTok:  # the smallest tokenizer the engine needs: ids 0 pad, 1 eos, then characters
@@ -80,3 +83,136 @@ def test_prompt_too_long_is_named():
     eng = Engine(m, tok, max_new_tokens=m.config.max_position_embeddings)
     with pytest.raises(ValueError, match="prompt 0 has 5 tokens"):
         eng.generate(PROMPTS)
+
+
+# ----------------------------------------------------------------------------- paged cache, sharing, sparse decode
+
+RAGGED = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]  # 1 page + partial, < 1 page, exactly 2 pages
+
+
+def capture_caches(monkeypatch):
+    """Keep every cache the engine builds, so a test can look at its page tables and free list afterwards."""
+    caches, new_cache = [], Engine._new_cache
+
+    def keep(self, *a):
+        caches.append(new_cache(self, *a))
+        return caches[-1]
+    monkeypatch.setattr(Engine, "_new_cache", keep)
+    return caches
+
+
+def assert_same_generation(ro, ref_tok, ref_lp):
+    for i in range(len(ro)):
+        n = int(ro.mask[i].sum())
+        assert ro.tokens[i, :n].tolist() == ref_tok[i], f"row {i}"
+        assert torch.allclose(ro.logp[i, :n], torch.tensor(ref_lp[i]), atol=1e-5, rtol=0), f"row {i}"
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("scorer", ["centroid", "quest"])
+def test_sparse_at_full_budget_equals_dense_and_naive(moe, scorer):
+    m, tok = tiny_model(moe=moe), CharTok()
+    kw = dict(max_new_tokens=10, temperature=0.0, page_size=4)
+    dense = Engine(m, tok, **kw).generate(RAGGED, group_size=2)
+    sparse = Engine(m, tok, sparse=dense_budget, scorer=scorer, dense_layers=1, **kw).generate(RAGGED, group_size=2)
+    assert_same_generation(sparse, [r[r.ne(-1)].tolist() for r in dense.tokens.masked_fill(~dense.mask, -1)],
+                           [r[k].tolist() for r, k in zip(dense.logp, dense.mask)])
+    ref_tok, ref_lp = generate_naive(m, tok, RAGGED, group_size=2, max_new_tokens=10, temperature=0.0)
+    assert_same_generation(sparse, ref_tok, ref_lp)
+    assert_same_generation(dense, ref_tok, ref_lp)
+    assert torch.equal(sparse.budget, sparse.budget_dense)  # every page was selected
+    assert sparse.timings["pages_read"] == sparse.timings["pages_dense"] > 0
+    assert sparse.budget_dense.max() >= 4  # several pages per row, so the selection had pages to choose from
+
+
+def test_prefix_is_prefilled_once_and_its_pages_are_shared(monkeypatch):
+    m, tok, G, ps = tiny_model(), CharTok(), 3, 4
+    prompts = RAGGED + [RAGGED[0]]  # a repeated prompt is still one distinct prompt
+    calls = []
+    h = m.register_forward_pre_hook(lambda mod, args: calls.append(tuple(args[0].shape)))
+    caches = capture_caches(monkeypatch)
+    ro = Engine(m, tok, max_new_tokens=6, temperature=0.0, page_size=ps).generate(prompts, group_size=G)
+    h.remove()
+    t, cache = ro.timings, caches[0]
+    assert t["prefill_calls"] == 1 and calls[0] == (3, 8) and all(c[1] == 1 for c in calls[1:])  # 3 distinct prompts
+    assert t["prefill_tokens"] == 5 + 2 + 8 and t["prefill_tokens_naive"] == G * (5 + 2 + 8 + 5)
+    table = cache.table
+    rows_a = [0, 1, 2, 9, 10, 11]  # prompt 0 and its repeat (prompt 3)
+    assert len({table[r, 0].item() for r in rows_a}) == 1  # the full prompt page: one physical page
+    assert len({table[r, 1].item() for r in rows_a}) == 6  # the partial page: copied per row
+    assert len({tuple(table[r, :2].tolist()) for r in (6, 7, 8)}) == 1  # prompt 2 fills 2 pages: all shared
+    assert len({table[r, 2].item() for r in (6, 7, 8)}) == 3  # its rows' first own pages
+    assert len({table[r, 0].item() for r in (3, 4, 5)}) == 3  # prompt 1 is shorter than a page: nothing shared
+    assert sorted(cache.free) == list(range(cache.num_pages)) and t["pages_free_end"] == t["pages_total"]
+    # sharing changes the work, not the result
+    alone = Engine(m, tok, max_new_tokens=6, temperature=0.0, page_size=ps, share_prefix=False).generate(prompts, G)
+    assert alone.timings["prefill_tokens"] == t["prefill_tokens_naive"]
+    assert torch.equal(alone.tokens, ro.tokens) and torch.allclose(alone.logp, ro.logp, atol=1e-5, rtol=0)
+
+
+def test_finished_rows_give_their_pages_back(monkeypatch):
+    m, tok = tiny_model(), CharTok()
+    first = Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2).generate(RAGGED, 1)
+    eos = int(first.tokens[1, 2])  # make row 1 stop at its third token
+    caches = capture_caches(monkeypatch)
+    events = []  # "decode" per step, and the pages that each release returned to the free list
+    begin, release = rollout.PagedKVCache.begin_decode, rollout.PagedKVCache.release
+    monkeypatch.setattr(rollout.PagedKVCache, "begin_decode", lambda self, rows: (events.append("decode"),
+                                                                                   begin(self, rows))[1])
+    monkeypatch.setattr(rollout.PagedKVCache, "release", lambda self, seq: events.append(
+        -len(self.free) + (release(self, seq), len(self.free))[1]))
+    ro = Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2, eos_ids=[eos]).generate(RAGGED, 1)
+    assert ro.finish[1] == "eos" and int(ro.mask[1].sum()) <= 3
+    cache = caches[0]
+    first_free = next(i for i, e in enumerate(events) if e != "decode")
+    assert events[first_free] > 0 and "decode" in events[first_free:]  # freed mid-way, while others decode on
+    assert sorted(cache.free) == list(range(cache.num_pages))
+    # a pool too small for every row at full length still suffices when finished rows free their pages
+    need = ro.timings["pages_peak"]
+    ro2 = Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2, eos_ids=[eos], num_pages=need).generate(RAGGED, 1)
+    assert torch.equal(ro2.tokens, ro.tokens) and need < ro.timings["pages_total"]
+    with pytest.raises(RuntimeError, match="out of pages"):
+        Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2, num_pages=need - 1).generate(RAGGED, 1)
+
+
+def test_small_budget_changes_outputs_but_stays_finite(monkeypatch):
+    m, tok = tiny_model(seed=3), CharTok()
+    kw = dict(max_new_tokens=16, temperature=0.0, page_size=2, dense_layers=1)
+    dense = Engine(m, tok, **kw).generate(RAGGED, 1)
+    layers = []
+    select = rollout.PagedKVCache._select
+    monkeypatch.setattr(rollout.PagedKVCache, "_select", lambda self, layer, q: (layers.append(layer),
+                                                                                  select(self, layer, q))[1])
+    sparse = Engine(m, tok, sparse=fixed_budget(2), keep_recent=1, **kw).generate(RAGGED, 1)
+    assert set(layers) == {1}  # layer 0 stays dense
+    assert torch.isfinite(sparse.logp).all()
+    n = int(torch.minimum(dense.mask.sum(1), sparse.mask.sum(1)).min())
+    assert (sparse.logp[:, :n] - dense.logp[:, :n]).abs().max() > 1e-4
+    late = sparse.mask & (sparse.budget_dense > 3)
+    assert (sparse.budget[late] == 2).all() and (sparse.budget <= sparse.budget_dense).all()
+    assert sparse.timings["pages_read"] < sparse.timings["pages_dense"]
+    # sparse sampling is seeded too
+    eng = Engine(m, tok, sparse=fraction_budget(0.5), max_new_tokens=10, temperature=1.0, page_size=2)
+    a, b = eng.generate(RAGGED, 2, seed=7), eng.generate(RAGGED, 2, seed=7)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logp, b.logp)
+
+
+def test_engine_options_are_checked():
+    m, tok = tiny_model(), CharTok()
+    with pytest.raises(ValueError, match="scorer must be"):
+        Engine(m, tok, scorer="topk")
+    with pytest.raises(TypeError, match="sparse must be False or a budget function"):
+        Engine(m, tok, sparse=0.125)
+    with pytest.raises(ValueError, match="page_size"):
+        Engine(m, tok, page_size=0)
+
+
+def test_bench_rewrites_only_its_readme_block(tmp_path):
+    import bench
+    f = tmp_path / "README.md"
+    f.write_text("intro\n<!-- bench:rollout -->\nold\n<!-- /bench:rollout -->\noutro\n")
+    assert bench.write_readme_block("rollout", "| new |", str(f))
+    assert f.read_text() == "intro\n<!-- bench:rollout -->\n| new |\n<!-- /bench:rollout -->\noutro\n"
+    g = tmp_path / "OTHER.md"
+    g.write_text("no markers\n")
+    assert not bench.write_readme_block("rollout", "| new |", str(g)) and g.read_text() == "no markers\n"

@@ -1,0 +1,122 @@
+"""KV-page selection: budgets, the two scorers on hand-made pages, the always-kept pages, and full-budget
+selection through decode_attention against SDPA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.block_sparse_decode import decode_attention
+from sparsity import (centroid_scores, dense_budget, fixed_budget, fraction_budget, kept_count, page_metadata,
+                      pages_to_read, quest_scores, select_pages, table_budget)
+
+
+def test_budget_functions():
+    assert fixed_budget(5)(100) == 5 and dense_budget(37) == 37
+    assert fraction_budget(1 / 8)(64) == 8 and fraction_budget(1 / 8)(65) == 9 and fraction_budget(0.1, 4)(10) == 4
+    sched = table_budget([29, 61, 93], bin_pages=125)  # Sparrow-style bins of 2,000 tokens of 16-token pages
+    assert [sched(n) for n in (1, 124, 125, 300, 10_000)] == [29, 29, 61, 93, 93]
+    with pytest.raises(ValueError, match="fraction in"):
+        fraction_budget(0)
+    with pytest.raises(ValueError, match="fixed_budget"):
+        fixed_budget(0)
+
+
+def test_budget_is_clamped_to_kept_and_cached_pages():
+    assert kept_count(10, 10, 1, 2) == 3  # sink + 2 recent
+    assert kept_count(10, 9, 1, 0) == 2  # the partial last page is kept even with keep_recent = 0
+    assert kept_count(2, 1, 1, 2) == 2  # ranges overlap on a short sequence
+    assert pages_to_read(fixed_budget(1), 10, 10, 1, 2) == 3  # below the kept count: the kept pages
+    assert pages_to_read(fixed_budget(50), 10, 9, 1, 2) == 10  # above the cache: everything
+    assert pages_to_read(fixed_budget(6), 10, 9, 1, 2) == 6
+
+
+def test_centroid_picks_the_page_aligned_with_the_group_query():
+    # 1 sequence, 2 KV heads, G = 2, D = 4, 5 pages; head 0's queries point along e0, head 1's along e1
+    q = torch.zeros(1, 4, 4)
+    q[0, 0, 0], q[0, 1, 0] = 1.0, 3.0  # group 0: mean (2, 0, 0, 0)
+    q[0, 2, 1], q[0, 3, 1] = 2.0, 0.0  # group 1: mean (0, 1, 0, 0)
+    kmean = torch.zeros(1, 5, 2, 4)
+    kmean[0, 3, 0, 0] = 1.0  # head 0: page 3 is aligned with e0
+    kmean[0, 1, 1, 1] = 1.0  # head 1: page 1 is aligned with e1
+    kmean[0, 2, 1, 1] = -1.0  # and page 2 opposes it
+    s = centroid_scores(q, kmean)  # (1, 2, 5)
+    assert s.shape == (1, 2, 5)
+    assert s[0, 0].argmax() == 3 and s[0, 1].argmax() == 1 and s[0, 1].argmin() == 2
+    assert torch.isclose(s[0, 0, 3], torch.tensor(2.0))
+
+
+def test_quest_bound_uses_min_and_max_and_the_group_max():
+    # a page with keys spanning [-1, 1] in dim 0 beats a page whose mean is higher but whose spread is 0,
+    # for a query that is positive in dim 0: the bound is max(q * min, q * max) summed over dims
+    q = torch.zeros(1, 2, 2)  # 1 KV head, G = 2, D = 2
+    q[0, 0] = torch.tensor([2.0, 0.0])
+    q[0, 1] = torch.tensor([0.0, -3.0])
+    kmin = torch.tensor([[[[-1.0, 0.0]], [[0.5, 0.0]], [[0.0, -1.0]]]])  # (1, P=3, 1, 2)
+    kmax = torch.tensor([[[[1.0, 0.0]], [[0.5, 0.0]], [[0.0, 0.0]]]])
+    s = quest_scores(q, kmin, kmax)[0, 0]  # (3,)
+    # head 0: pages give 2, 1, 0; head 1 (q = -3 e1): pages give 0, 0, 3; the group keeps the max
+    assert torch.allclose(s, torch.tensor([2.0, 1.0, 3.0]))
+    # the bound really bounds: every key inside the box scores at most the bound
+    keys = kmin[0, :, 0][:, None] + torch.rand(3, 50, 2) * (kmax - kmin)[0, :, 0][:, None]  # (P, 50, D)
+    for h in range(2):
+        assert ((keys @ q[0, h]) <= s[:, None] + 1e-6).all()
+
+
+def test_page_metadata():
+    pages = torch.arange(2 * 4 * 1 * 3, dtype=torch.float32).view(2, 4, 1, 3)
+    mean, lo, hi = page_metadata(pages, True)
+    assert torch.equal(mean, pages.mean(1)) and torch.equal(lo, pages[:, 0]) and torch.equal(hi, pages[:, 3])
+    assert page_metadata(pages, False)[1] is None
+
+
+def test_select_keeps_sink_recent_and_partial_pages_even_when_they_score_worst():
+    gen = torch.Generator().manual_seed(0)
+    B, H, P = 3, 2, 12
+    scores = torch.rand(B, H, P, generator=gen)
+    n_pages = torch.tensor([12, 7, 2])
+    n_full = torch.tensor([11, 7, 1])  # row 0 and row 2 end in a partial page
+    scores[:, :, 0] = -100.0  # the sink scores worst
+    scores[0, :, 9:] = -100.0  # so do row 0's recent pages
+    n_read = torch.tensor([pages_to_read(fixed_budget(5), int(n), int(f), 1, 2) for n, f in zip(n_pages, n_full)])
+    sel, n_sel = select_pages(scores, n_pages, n_full, n_read, keep_first=1, keep_recent=2)
+    assert n_sel.tolist() == [[5, 5], [5, 5], [2, 2]]
+    for b in range(B):
+        for h in range(H):
+            chosen = sel[b, h, :n_sel[b, h]].tolist()
+            n = int(n_pages[b])
+            assert chosen == sorted(chosen) and len(set(chosen)) == len(chosen) and max(chosen) < n
+            assert {0, n - 2, n - 1} <= set(chosen)  # sink and the two recent pages (the partial one included)
+            others = [j for j in range(1, n - 2) if j not in chosen]
+            best_left = max((scores[b, h, j].item() for j in others), default=-1e9)
+            assert all(scores[b, h, j] >= best_left for j in chosen if 0 < j < n - 2)  # the rest is the top
+
+
+def test_full_budget_selection_through_decode_attention_equals_sdpa():
+    """Pages in a shuffled pool, the full budget: the selection covers everything and attention is SDPA's."""
+    gen = torch.Generator().manual_seed(1)
+    ps, H_kv, G, D = 4, 2, 2, 8
+    lens = [13, 3, 8]  # partial last page, shorter than a page, exactly two pages
+    B, n_pages = len(lens), [-(-n // ps) for n in lens]
+    P = max(n_pages)
+    perm = torch.randperm(sum(n_pages), generator=gen).tolist()
+    k = torch.randn(B, H_kv, 16, D, generator=gen)  # (B, H_kv, T, D) unpaged
+    v = torch.randn(B, H_kv, 16, D, generator=gen)
+    k_pool = torch.full((len(perm), ps, H_kv, D), float("nan"))  # NaN where nothing may be read
+    v_pool = torch.full_like(k_pool, float("nan"))
+    table = torch.zeros(B, P, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        for j in range(n_pages[b]):
+            p = perm.pop()
+            table[b, j] = p
+            t1 = min((j + 1) * ps, n)
+            k_pool[p, :t1 - j * ps] = k[b, :, j * ps:t1].transpose(0, 1)
+            v_pool[p, :t1 - j * ps] = v[b, :, j * ps:t1].transpose(0, 1)
+    q = torch.randn(B, H_kv * G, D, generator=gen)
+    n_full = torch.tensor([n // ps for n in lens])
+    n_pg = torch.tensor(n_pages)
+    kmean = torch.randn(B, P, H_kv, D, generator=gen)  # any scores: at full budget they only order the pages
+    sel, n_sel = select_pages(centroid_scores(q, kmean), n_pg, n_full, n_pg, 1, 2)
+    out = decode_attention(q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32), sel, n_sel)
+    mask = (torch.arange(16) < torch.tensor(lens)[:, None])[:, None, None, :]  # (B, 1, 1, T)
+    want = F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+                                          attn_mask=mask)[:, :, 0]
+    assert (out - want).abs().max().item() < 1e-5
