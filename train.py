@@ -82,6 +82,16 @@ class Config:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: str = ""  # a stop string (besides EOS); empty = none
+    # stage 1: which prompts (growth zone) and dynamic sampling
+    sampler: str = "growth"  # growth | uniform
+    zone: tuple = (0.1, 0.9)  # pass-rate bounds of the growth zone
+    explore: float = 0.1  # fraction of each batch spent on the least recently seen prompts
+    refill_tries: int = 2  # extra draws to refill groups whose rewards are all equal; then train short
+    min_spread: float = 0.0  # a group is kept when max - min reward exceeds this
+    # stage 3: the verifier cascade
+    math_verify: bool = True  # symbolic equivalence (math, gsm8k) for answers that fail the exact match
+    max_chars: int = 0  # cheap check: longer completions score 0 (0 = no limit)
+    judge: str = ""  # optional "module:function" taking (prompt, completion, reference) -> float
     # update
     steps: int = 100
     lr: float = 1e-4
@@ -383,15 +393,14 @@ def load_checkpoint(cfg, model, opt, sampler, dev):
 
 
 @torch.no_grad()
-def evaluate(cfg, engine, problems, ids, rank, world):
-    """Greedy accuracy on the held-out set; each rank takes a slice, the counts are summed."""
-    from reward import score
+def evaluate(cfg, engine, cascade, problems, ids, rank, world):
+    """Greedy accuracy on the held-out set, scored by the same cascade; each rank takes a slice, counts are summed."""
     mine = list(range(rank, len(problems), world))
     correct = 0.0
     for a in range(0, len(mine), 256):
         chunk = mine[a:a + 256]
         ro = engine.generate([ids[i] for i in chunk], 1, seed=0)
-        correct += sum(score([problems[i] for i in chunk], ro.texts))
+        correct += sum(cascade.score_batch([problems[i] for i in chunk], ro.texts, group_size=1).rewards)
     if world > 1:
         t = torch.tensor([correct], dtype=torch.float64, device=engine.model.lm_head.weight.device)
         torch.distributed.all_reduce(t)
@@ -402,64 +411,124 @@ def evaluate(cfg, engine, problems, ids, rank, world):
 # ----------------------------------------------------------------------------- one RL step
 
 
-def rl_step(cfg, step, model, ddp_model, engine, opt, sampler, pool_ids, rank, world, log):
+def gather(obj, world):
+    """Every rank's `obj`, in rank order (a list of one on a single process)."""
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
+    """Stages 1-3 with DAPO's dynamic sampling: draw prompts, generate G completions each, score them, and keep
+    the groups whose rewards have spread. Refill with fresh prompts up to `refill_tries` more times; when the tries
+    run out the batch is trained short (never padded with zero-advantage groups). Every rank draws the same
+    prompts and takes its slice, and every rank observes the whole batch, so the samplers stay identical."""
+    from prompts import group_has_signal
+    from reward import combine
+    G, n_local = cfg.group_size, max(1, cfg.prompts_per_step // world)
+    kept, results, rec = [], [], {"gen_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0, "tries": 0}
+    lens, finish_length, rewards_all, zone = [], 0, [], []
+    for t in range(1 + cfg.refill_tries):
+        batch = sampler.next_batch(n_local * world)[rank * n_local:(rank + 1) * n_local]
+        zone.append(sampler.stats().get("zone", float("nan")))
+        t0 = time.perf_counter()
+        ro = engine.generate([pool_ids[i] for i, _ in batch], G, seed=cfg.seed * 100_003 + (step * 8 + t) * world + rank)
+        rec["gen_s"] += time.perf_counter() - t0
+        for k in ("prefill_s", "decode_s", "new_tokens"):
+            rec[k] += ro.timings[k]
+        res = cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts, group_size=G)
+        results.append(res)
+        r = torch.tensor(res.rewards, dtype=torch.float32).view(-1, G)
+        rewards_all.append(r.flatten())
+        lens.append(ro.mask.sum(1).float())
+        finish_length += sum(f == "length" for f in ro.finish)
+        everyone = gather(([i for i, _ in batch], r.tolist()), world)
+        sampler.observe([i for idx, _ in everyone for i in idx], [g for _, rs in everyone for g in rs])
+        for g in range(len(batch)):
+            if group_has_signal(r[g].tolist(), cfg.min_spread) and len(kept) < n_local:
+                kept.append((batch[g][0], ro.tokens[g * G:(g + 1) * G], ro.mask[g * G:(g + 1) * G], r[g]))
+        rec["tries"] = t + 1
+        n_kept = gather(len(kept), world)
+        if min(n_kept) >= n_local:  # the decision to refill is global: every rank runs the same collectives
+            break
+    rew = torch.cat(rewards_all)
+    rec.update(reward=rew.mean().item(), groups_kept=sum(gather(len(kept), world)), groups=n_local * world,
+               short=int(sum(n_kept) < n_local * world), len_mean=torch.cat(lens).mean().item(),
+               finish_length=finish_length / len(rew), zone=sum(zone) / len(zone), **combine(results).summary())
+    return kept, rec
+
+
+def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, world, log):
     """Rollouts, rewards, advantages, and the update of one step. Returns the step's metrics record."""
-    from reward import score
     dev = model.lm_head.weight.device
-    n_local = max(1, cfg.prompts_per_step // world)
-    batch = sampler.next_batch(n_local * world)[rank * n_local:(rank + 1) * n_local]  # same draw on every rank
     t0 = time.perf_counter()
-    ro = engine.generate([pool_ids[i] for i, _ in batch], cfg.group_size, seed=cfg.seed * 100_003 + step * world + rank)
+    kept, rec = collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world)
     t1 = time.perf_counter()
-    problems = [p for _, p in batch for _ in range(cfg.group_size)]
-    rewards = torch.tensor(score(problems, ro.texts), dtype=torch.float32)
-    sampler.observe([i for i, _ in batch], rewards.view(-1, cfg.group_size).tolist())
-    adv, keep_g = group_advantages(rewards, cfg.group_size, cfg.adv_eps)
-    keep = keep_g.repeat_interleave(cfg.group_size)  # zero-advantage groups carry no gradient: skip them
-    rec = {"step": step, "reward": rewards.mean().item(), "groups_kept": int(keep_g.sum()), "groups": len(keep_g),
-           "gen_s": t1 - t0, "prefill_s": ro.timings["prefill_s"], "decode_s": ro.timings["decode_s"],
-           "new_tokens": ro.timings["new_tokens"], "len_mean": ro.mask.sum(1).float().mean().item(),
-           "finish_length": sum(f == "length" for f in ro.finish) / len(ro)}
-    idx = keep.nonzero()[:, 0].tolist()
+    rec["step"], rec["collect_s"] = step, t1 - t0
     stats = torch.zeros(5, device=dev, dtype=torch.float64)  # loss sum, tokens, clipped, skipped, grad norm
-    if idx:
-        p_ids = [pool_ids[batch[i // cfg.group_size][0]] for i in idx]
-        ids, tmask = build_batch(p_ids, ro.tokens[idx], ro.mask[idx], engine.pad_id)
-        stats += train_on(cfg, model, ddp_model, opt, ids.to(dev), tmask.to(dev), adv[idx].to(dev), world)
-    if world > 1:  # a rank with nothing to train still joined every collective inside train_on
+    if kept:
+        p_ids = [pool_ids[i] for i, *_ in kept for _ in range(cfg.group_size)]
+        ids, tmask = build_batch(p_ids, torch.cat([k[1] for k in kept]), torch.cat([k[2] for k in kept]), engine.pad_id)
+        adv = torch.cat([group_advantages(k[3], cfg.group_size, cfg.adv_eps)[0] for k in kept])
+        ids, tmask, adv = ids.to(dev), tmask.to(dev), adv.to(dev)
+    else:  # nothing to learn from here, but this rank still joins every collective of the update
+        ids, tmask, adv = (torch.zeros(0, 1, dtype=torch.long, device=dev), torch.zeros(0, 1, dtype=torch.bool, device=dev),
+                           torch.zeros(0, device=dev))
+    stats += train_on(cfg, model, opt, ids, tmask, adv, world)
+    if world > 1:
         torch.distributed.all_reduce(stats)
     rec.update(loss=(stats[0] / stats[1].clamp(min=1)).item(), tokens=int(stats[1]),
-               clipfrac=(stats[2] / stats[1].clamp(min=1)).item(), skipped_nonfinite=int(stats[3]),
+               clipfrac=(stats[2] / stats[1].clamp(min=1)).item(), skipped_nonfinite=int(stats[3]) // world,
                grad_norm=stats[4].item() / world, lr=opt.param_groups[0]["lr"], train_s=time.perf_counter() - t1)
     return rec
 
 
-def train_on(cfg, model, ddp_model, opt, ids, tmask, adv, world):
-    """Several optimizer passes over one batch of kept rollouts. Returns summed stats for the log."""
+def allreduce_grads(model, world):
+    """Sum gradients over ranks (data parallelism by hand). DDP's hooks would need every rank to run the same
+    number of backward passes; with dynamic sampling the ranks keep different numbers of groups, so instead
+    every rank runs its own micro-batches and joins exactly one all-reduce per optimizer step."""
+    if world == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    torch.distributed.all_reduce(flat)
+    for p, g in zip(model.parameters(), flat.split([g.numel() for g in grads])):
+        p.grad = g.view_as(p)
+
+
+def train_on(cfg, model, opt, ids, tmask, adv, world):
+    """`passes` x `minibatches` optimizer steps over one batch of kept rollouts (the same count on every rank,
+    whatever its share of the batch). Token-level loss over the global minibatch. Returns summed stats."""
     stats = torch.zeros(5, device=ids.device, dtype=torch.float64)
     ntok = tmask.sum().double()
     if world > 1:
         torch.distributed.all_reduce(ntok)
+    if ntok.item() == 0:  # no rank kept a group: nothing to update (decided globally)
+        return stats
     packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda and model_flash_ok())
-    N = ids.shape[0]
+    N, mbs = ids.shape[0], cfg.micro_batch
+
+    def logprobs_of(m, rows):
+        return torch.cat([token_logprobs(m, ids[r], tmask[r], cfg.temperature, packed) for r in rows.split(mbs)]) \
+            if len(rows) else torch.zeros(0, ids.shape[1], device=ids.device)
+
     with torch.no_grad():  # logp_old: the policy before this batch's first update
-        old = torch.cat([token_logprobs(model, ids[a:a + cfg.micro_batch], tmask[a:a + cfg.micro_batch],
-                                        cfg.temperature, packed) for a in range(0, N, cfg.micro_batch)])
-        ref = None  # KL to a reference needs a frozen copy: kept by the caller when kl_coef > 0
-        if cfg.kl_coef > 0:
-            ref = torch.cat([token_logprobs(cfg._ref_model, ids[a:a + cfg.micro_batch], tmask[a:a + cfg.micro_batch],
-                                            cfg.temperature, packed) for a in range(0, N, cfg.micro_batch)])
-    mb_tokens = ntok / cfg.minibatches  # token-level mean over the (global) minibatch
+        old = logprobs_of(model, torch.arange(N))
+        ref = logprobs_of(cfg._ref_model, torch.arange(N)) if cfg.kl_coef > 0 else None
+    mb_tokens = (ntok / cfg.minibatches).clamp(min=1)  # token-level mean over the (global) minibatch
     for _ in range(cfg.passes):
-        for mb in torch.arange(N).chunk(cfg.minibatches):
+        for k in range(cfg.minibatches):
             opt.zero_grad(set_to_none=True)
-            for micro in mb.split(cfg.micro_batch):
-                lp = token_logprobs(ddp_model, ids[micro], tmask[micro], cfg.temperature, packed)
+            for micro in torch.arange(k, N, cfg.minibatches).split(mbs):  # may be empty on this rank
+                lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed)
                 loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low, cfg.clip_high,
                                   None if ref is None else ref[micro], cfg.kl_coef)
-                (loss * world / mb_tokens).backward()  # DDP averages over ranks: * world makes it a global sum
+                (loss / mb_tokens).backward()
                 stats[0] += loss.item()
                 stats[2] += s["clipped"]
+            allreduce_grads(model, world)
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             bad = torch.tensor([0.0 if torch.isfinite(gn) else 1.0], device=ids.device)
             if world > 1:
@@ -472,6 +541,18 @@ def train_on(cfg, model, ddp_model, opt, ids, tmask, adv, world):
             stats[4] += gn.item()
     stats[1] = tmask.sum() * cfg.passes
     return stats
+
+
+def load_judge(spec):
+    """'module:function' -> the callable, imported by name (the user's own file; nothing is registered)."""
+    if not spec:
+        return None
+    import importlib
+    mod, _, fn = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"config key 'judge': cannot import {spec!r} ({e})") from None
 
 
 def model_flash_ok():
@@ -491,17 +572,26 @@ def lr_at(cfg, step):
 
 
 def fmt(rec):
-    keys = [("reward", "rew {:.3f}"), ("acc", "acc {:.3f}"), ("groups_kept", "kept {}"), ("loss", "loss {:+.4f}"),
-            ("clipfrac", "clip {:.3f}"), ("grad_norm", "gn {:.2f}"), ("len_mean", "len {:.1f}"),
-            ("gen_s", "gen {:.2f}s"), ("prefill_s", "prefill {:.3f}s"), ("decode_s", "decode {:.2f}s"),
-            ("train_s", "train {:.2f}s"), ("skipped_nonfinite", "nonfinite-skipped {}")]
-    parts = [f.format(rec[k]) for k, f in keys if k in rec and not (k == "skipped_nonfinite" and rec[k] == 0)]
-    return f"step {rec['step']:4d} | " + " | ".join(parts)
+    """One log line per step, grouped by stage: what each stage kept or skipped, and what it spent."""
+    g = lambda k, f: f.format(rec[k]) if k in rec else ""
+    parts = [f"step {rec['step']:4d}",
+             "signal " + g("zone", "zone {:.2f} ") + f"kept {rec['groups_kept']}/{rec['groups']} tries {rec['tries']}"
+             + (" SHORT" if rec.get("short") else ""),
+             "rollout " + g("gen_s", "{:.2f}s ") + g("prefill_s", "(prefill {:.2f}s ") + g("decode_s", "decode {:.2f}s) ")
+             + g("len_mean", "len {:.1f}"),
+             "reward " + g("reward", "{:.3f} ") + g("reach_verify", "verify {:.2f} ") + g("dedup_saved", "dedup {} ")
+             + (g("errors", "errors {} ") if rec.get("errors") else "") + (g("timeouts", "timeouts {}") if rec.get("timeouts") else ""),
+             "update " + g("loss", "loss {:+.4f} ") + g("clipfrac", "clip {:.3f} ") + g("grad_norm", "gn {:.2f} ")
+             + g("train_s", "{:.2f}s") + (g("skipped_nonfinite", " NONFINITE-SKIPPED {}") if rec.get("skipped_nonfinite") else "")]
+    if "acc" in rec:
+        parts.append(g("acc", "held-out acc {:.3f}"))
+    return " | ".join(p.strip() for p in parts)
 
 
 def main(argv):
     from tqdm import tqdm
-    from prompts import PromptSampler
+    from prompts import GrowthZoneSampler, PromptSampler
+    from reward import Cascade
     from rollout import Engine
     cfg = parse_config(argv)
     rank, world, dev = setup_dist(cfg)
@@ -525,9 +615,17 @@ def main(argv):
     if cfg.kl_coef > 0:
         import copy
         cfg._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    ddp_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if world > 1:  # the ranks start from the same weights (the warm start is seeded; checkpoints are shared)
+        for p in model.parameters():
+            torch.distributed.broadcast(p.data, 0)
+    cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify, judge=load_judge(cfg.judge))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    sampler = PromptSampler(train_p, cfg.seed)
+    if cfg.sampler == "growth":
+        sampler = GrowthZoneSampler(train_p, cfg.seed, zone=cfg.zone, explore=cfg.explore)
+    elif cfg.sampler == "uniform":
+        sampler = PromptSampler(train_p, cfg.seed)
+    else:
+        raise ValueError(f"config key 'sampler' must be growth or uniform, got {cfg.sampler!r}")
     if cfg.autocast not in ("none", "bfloat16"):
         raise ValueError(f"config key 'autocast' must be none or bfloat16, got {cfg.autocast!r}")
     amp = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.autocast == "bfloat16")
@@ -537,7 +635,7 @@ def main(argv):
         log(f"resumed from step {start}")
     else:
         with amp:
-            history["acc0"] = evaluate(cfg, greedy, eval_p, eval_ids, rank, world)
+            history["acc0"] = evaluate(cfg, greedy, cascade, eval_p, eval_ids, rank, world)
         log(f"held-out accuracy before RL: {history['acc0']:.3f} on {len(eval_p)} problems")
     log(f"policy: {model.num_params() / 1e6:.2f}M parameters on {dev} ({cfg.dtype}), world size {world}; "
         f"{len(train_p)} training prompts")
@@ -551,10 +649,10 @@ def main(argv):
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
         with amp:
-            rec = rl_step(cfg, step, model, ddp_model, engine, opt, sampler, train_ids, rank, world, log)
+            rec = rl_step(cfg, step, model, engine, cascade, opt, sampler, train_ids, rank, world, log)
             last = step == cfg.steps - 1
             if (step + 1) % cfg.eval_every == 0 or last:
-                rec["acc"] = evaluate(cfg, greedy, eval_p, eval_ids, rank, world)
+                rec["acc"] = evaluate(cfg, greedy, cascade, eval_p, eval_ids, rank, world)
         history["records"].append(rec)
         log(fmt(rec))
         if rank == 0:
@@ -569,6 +667,7 @@ def main(argv):
         torch.distributed.all_gather_object(sums, weight_checksum(model))
     history["checksums"] = sums
     log(f"weight checksum per rank: {' '.join(sums)}" + (" (identical)" if len(set(sums)) == 1 else " (DIFFERENT)"))
+    cascade.close()
     if rank == 0:
         summarize(cfg, history, time.perf_counter() - t_start, log)
     if world > 1:
@@ -589,6 +688,9 @@ def summarize(cfg, history, seconds, log):
             ("reward, first 10% of steps", f"{sum(r['reward'] for r in recs[:max(1, n // 10)]) / max(1, n // 10):.3f}"),
             ("reward, last 10% of steps", f"{sum(r['reward'] for r in recs[-max(1, n // 10):]) / max(1, n // 10):.3f}"),
             ("groups kept / step", f"{mean('groups_kept'):.1f} of {recs[0]['groups']}"),
+            ("steps trained short", f"{sum(r.get('short', 0) for r in recs)}"),
+            ("reward calls that errored / timed out", f"{sum(r.get('errors', 0) for r in recs)} / "
+                                                      f"{sum(r.get('timeouts', 0) for r in recs)}"),
             ("rollout time / step", f"{mean('gen_s'):.2f}s"), ("train time / step", f"{mean('train_s'):.2f}s"),
             ("non-finite steps skipped", f"{sum(r.get('skipped_nonfinite', 0) for r in recs)}"),
             ("RL wall time", f"{seconds:.0f}s")]
