@@ -1,23 +1,52 @@
 """
-rollout.py: stage 2, the generation engine. Batched KV-cache sampling of G completions per prompt.
+rollout.py: stage 2, the generation engine. G completions per prompt over a paged KV cache, with the prompt
+prefilled once per group and, optionally, block-sparse decode attention.
 
     engine = Engine(model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=["\\n\\n"])
     ro = engine.generate(prompt_ids, group_size=8, seed=0)    # prompt_ids: list of token-id lists
     ro.tokens, ro.mask, ro.logp                               # (N, T) completions, sampled-token mask, log-probs
+    ro.budget, ro.timings                                     # (N, T) KV pages read per position; timings, counts
+
+    from sparsity import fraction_budget                      # sparse decode: read 1/8 of the KV pages
+    engine = Engine(model, tokenizer, sparse=fraction_budget(1 / 8), scorer="centroid")
+
+    python bench.py rollout [--quick]                         # speed against transformers, sharing, sparsity
 
 What one call does:
-    1. Each prompt is repeated G times, the batch is left-padded, and one prefill fills the KV cache.
-    2. Decoding samples one token per live row per step (temperature, top-p, a seeded generator) and records
-       the log-prob of the sampled token under softmax(logits / temperature): the trainer recomputes that
-       same quantity, so the two can be compared token by token (and importance-weighted).
-    3. A row stops at EOS, at a stop string, or at max_new_tokens. Finished rows are dropped from the batch
-       and from the cache at once, so they cost nothing afterwards.
+    1. Prefill: each distinct prompt goes through the model once (prompts batched, right-padded, causal SDPA),
+       and its keys and values are scattered into pages of `page_size` tokens. The G rows of a prompt point
+       at the same physical pages for every full prompt page; only the partial last page is copied, once per
+       row, because every row writes its own first tokens into it (copy-on-write done eagerly: at most
+       page_size - 1 tokens per row, against a whole prompt).
+    2. Decode: one query token per live row. Each layer writes the new key and value into the row's last page
+       (a fresh page from the free list when the last one is full) and calls `decode_attention` from
+       kernels/block_sparse_decode.py: the Triton kernel on a GPU, its PyTorch reference on a CPU.
+    3. Dense decode reads every page. Sparse decode (`sparse=` a budget function from sparsity.py) reads, in
+       each layer past the first `dense_layers`, the pages that `sparsity.select_pages` picks from the page
+       metadata (mean key, and min/max keys for Quest), which a sparse engine writes once, when a page fills.
+       The first `keep_first` pages and the last `keep_recent` (and the partial last page) are always read.
+    4. Sampling: temperature, top-p, a seeded generator; the log-prob of the sampled token is taken under
+       softmax(logits / temperature), which the trainer recomputes, so the two compare token by token.
+    5. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch at once and its pages
+       go back to the free list (a shared prompt page when its last row finishes).
 
-Simplifications (this is the first version; a later issue adds paged, shared-prefix and sparse decoding):
-    1. The cache is one contiguous (layers, B, H_kv, T, D) tensor; the prompt is prefilled G times.
+Options (Engine keywords): page_size=16; sparse=False or a budget function; scorer="centroid" | "quest";
+keep_first=1, keep_recent=2, dense_layers=2 (sparse only); share_prefix=True (False prefills every row on its
+own, the baseline); num_pages=None (the pool's size; None is the call's worst case).
+Timings: prefill_s, decode_s, new_tokens; prefill_calls, prefill_tokens and prefill_tokens_naive (what
+prefilling every row would cost); pages_read and pages_dense (KV pages read by decode attention, summed over
+steps, rows and layers, and what dense decode reads); pages_total, pages_peak, pages_free_end (the pool).
+
+Simplifications:
+    1. No continuous batching: a call starts all its rows together and ends when the last one finishes.
+       The pool holds the worst case of the call (every row at max_new_tokens) unless `num_pages` caps it.
     2. The log-prob ignores top-p truncation (as verl and friends do); with top_p = 1 it is exact.
     3. Stop strings are checked on the decoded tail of each row, so a stop string must decode the same
        whether or not it is tokenised on its own.
+    4. Prefill is always dense, and a row's first token comes from it: `ro.budget[:, 0]` is the prompt's
+       page count. The sparse budget is per row, the same in every sparse layer and KV head.
+    5. Page bookkeeping (free list, reference counts, page tables) lives on the host as Python lists; the
+       device gets a few small index tensors per step.
 
 `generate_naive` beside the engine recomputes the whole sequence at every step with no cache. It is the
 slow reference that the tests compare the engine against.
@@ -28,6 +57,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kernels.block_sparse_decode import decode_attention
+from sparsity import centroid_scores, page_metadata, pages_to_read, quest_scores, select_pages
+
+PREFILL_TOKENS = 16384  # padded tokens per prefill forward: bounds the activations of a long batch
 
 
 @dataclass
@@ -40,50 +74,161 @@ class Rollouts:
     texts: list  # decoded completions (stop string included, EOS not)
     group_size: int = 1
     timings: dict = field(default_factory=dict)
+    budget: torch.Tensor = None  # (N, T) KV pages read per sparse layer for the step that produced each token
+    budget_dense: torch.Tensor = None  # (N, T) pages cached at that step: what dense decode reads
 
     def __len__(self):
         return self.tokens.shape[0]
 
 
-class KVCache:
-    """Contiguous KV cache for left-padded batches. `valid[b, t]` marks real (non-pad) key slots."""
+class PagedKVCache:
+    """One K and one V pool per layer, (num_pages, page_size, H_kv, D), a page table per sequence (logical page
+    -> physical page), reference counts and a free list. The engine lays out each forward with `begin_prefill`
+    or `begin_decode`; the model then calls `positions`, `attend` per layer, and `advance`."""
 
-    def __init__(self, cfg, B, T_max, dtype, device):
-        shape = (cfg.num_hidden_layers, B, cfg.num_key_value_heads, T_max, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.valid = torch.zeros(B, T_max, dtype=torch.bool, device=device)
-        self.lens = torch.zeros(B, dtype=torch.long, device=device)  # real tokens per row (= next position)
-        self.t = 0  # slots filled (the same for every row: left padding keeps rows aligned)
+    def __init__(self, cfg, num_seqs, max_pages, num_pages, page_size, dtype, device, budget=None,
+                 scorer="centroid", keep_first=1, keep_recent=2, dense_layers=2):
+        L, self.H, self.D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.page_size, self.num_pages = page_size, num_pages
+        self.k = torch.zeros(L, num_pages, page_size, self.H, self.D, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        meta = (L, num_pages, self.H, self.D)  # page metadata, kept only where a selection reads it
+        self.kmean = torch.zeros(meta, dtype=dtype, device=device) if budget is not None else None
+        quest = budget is not None and scorer == "quest"
+        self.kmin = torch.zeros(meta, dtype=dtype, device=device) if quest else None
+        self.kmax = torch.zeros(meta, dtype=dtype, device=device) if quest else None
+        self.table = torch.zeros(num_seqs, max_pages, dtype=torch.int32, device=device)  # (N, max_pages)
+        self.pages = [[] for _ in range(num_seqs)]  # the host's copy of each page table
+        self.lens = [0] * num_seqs  # tokens cached per sequence
+        self.refs = [0] * num_pages  # sequences holding each page: a shared prompt page has G
+        self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self.peak = 0
+        self.budget, self.scorer, self.keep_first, self.keep_recent = budget, scorer, keep_first, keep_recent
+        self.dense_layers = dense_layers
 
-    def extend(self, new_valid):
-        """Declare the next T slots before a forward: new_valid (B, T) bool."""
-        T = new_valid.shape[1]
-        self.valid[:, self.t:self.t + T] = new_valid
-        self._pos = self.lens[:, None] + new_valid.long().cumsum(1) - 1  # (B, T) position of each new token
-        self._pos.clamp_(min=0)
+    # ---- bookkeeping
+
+    def _alloc(self, seq):
+        if not self.free:
+            raise RuntimeError(f"the KV pool is out of pages ({self.num_pages} of {self.page_size} tokens): "
+                               f"raise Engine(num_pages=...) or leave it None for the worst case")
+        p = self.free.pop()
+        self.refs[p] = 1
+        self.pages[seq].append(p)
+        self.peak = max(self.peak, self.num_pages - len(self.free))
+        return p
+
+    def release(self, seq):
+        """A finished sequence gives its pages back; a shared page returns when its last holder leaves."""
+        for p in self.pages[seq]:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+        self.pages[seq] = []
+
+    def _write_meta(self, layer, pages):
+        """Metadata of pages that just filled (pages: index tensor): written once, read by every later step."""
+        if pages is None or self.kmean is None:
+            return
+        mean, lo, hi = page_metadata(self.k[layer][pages], self.kmin is not None)
+        self.kmean[layer][pages] = mean.to(self.kmean.dtype)
+        if lo is not None:
+            self.kmin[layer][pages], self.kmax[layer][pages] = lo.to(self.kmin.dtype), hi.to(self.kmax.dtype)
+
+    # ---- laying out a forward
+
+    def begin_prefill(self, groups):
+        """groups[i] = (length, rows): batch row i is a prompt whose KV belongs to all of `rows`. Its full pages
+        are allocated once and shared (refs = len(rows)); its partial last page is private to each row."""
+        ps, dev = self.page_size, self.table.device
+        src_b, src_t, dst, full = [], [], [], []
+        for i, (L, rows) in enumerate(groups):
+            n_full, tail = divmod(L, ps)
+            shared = [self._alloc(rows[0]) for _ in range(n_full)]
+            for p in shared:
+                self.refs[p] = len(rows)
+            for r in rows[1:]:
+                self.pages[r] = list(shared)
+            t = torch.arange(n_full * ps)  # tokens of the full pages: stored once
+            src_b.append(torch.full_like(t, i))
+            src_t.append(t)
+            dst.append(torch.tensor(shared, dtype=torch.long)[t // ps] * ps + t % ps)
+            t = torch.arange(n_full * ps, L)  # tokens of the partial page: stored once per row
+            for r in rows:
+                if tail:  # copy-on-write of the one page that the rows will each write into
+                    src_b.append(torch.full_like(t, i))
+                    src_t.append(t)
+                    dst.append(self._alloc(r) * ps + t % ps)
+                self.lens[r] = L
+                self.table[r, :len(self.pages[r])] = torch.tensor(self.pages[r], dtype=torch.int32)
+            full += shared
+        self._mode, self._B = "prefill", len(groups)
+        self._scatter = [torch.cat(x).to(dev) for x in (src_b, src_t, dst)]
+        self._filled = torch.tensor(full, dtype=torch.long, device=dev) if full else None
+
+    def begin_decode(self, rows):
+        """One new token for each live sequence in `rows`: open a page where the last one is full, then build
+        the step's index tensors, which every layer shares."""
+        ps, dev = self.page_size, self.table.device
+        opened = [(r, len(self.pages[r]), self._alloc(r)) for r in rows if self.lens[r] % ps == 0]
+        if opened:
+            r, j, p = (torch.tensor(x) for x in zip(*opened))
+            self.table[r.to(dev), j.to(dev)] = p.to(dev, torch.int32)
+        lens = [self.lens[r] for r in rows]  # before the new token: its position
+        last = [self.pages[r][n // ps] for r, n in zip(rows, lens)]  # the page the new token goes to
+        self.n_pages = [n // ps + 1 for n in lens]  # pages cached once the new token is in
+        n_full = [(n + 1) // ps for n in lens]
+        filled = [p for p, n in zip(last, lens) if (n + 1) % ps == 0]
+        self._mode, self._rows = "decode", rows
+        self._pos = torch.tensor(lens, device=dev)[:, None]  # (B, 1)
+        self._dst = torch.tensor([p * ps + n % ps for p, n in zip(last, lens)], device=dev)  # (B,) token slots
+        self._seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev) + 1  # (B,)
+        self._table = self.table[torch.tensor(rows, device=dev), :max(self.n_pages)]  # (B, P) only pages in use
+        self._filled = torch.tensor(filled, dtype=torch.long, device=dev) if filled else None
+        self.n_read = self.n_pages
+        if self.budget is not None:
+            self.n_read = [pages_to_read(self.budget, n, f, self.keep_first, self.keep_recent)
+                           for n, f in zip(self.n_pages, n_full)]
+            self._counts = [torch.tensor(x, device=dev) for x in (self.n_pages, n_full, self.n_read)]
+
+    # ---- what the model calls
 
     def positions(self, T):
+        if self._mode == "prefill":
+            return torch.arange(T, device=self.table.device).expand(self._B, T)
         return self._pos
 
     def attend(self, layer, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
-        T, t0 = q.shape[2], self.t
-        self.k[layer, :, :, t0:t0 + T] = k
-        self.v[layer, :, :, t0:t0 + T] = v
-        keys, vals = self.k[layer, :, :, :t0 + T], self.v[layer, :, :, :t0 + T]
-        causal = torch.ones(T, t0 + T, dtype=torch.bool, device=q.device).tril(t0)
-        mask = (causal[None] & self.valid[:, None, :t0 + T])[:, None]  # (B, 1, T, t0+T)
-        mask = mask | ~mask.any(-1, keepdim=True)  # a pad query with nothing to see: avoid NaN, it is ignored
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+        kp = self.k[layer].view(-1, self.H, self.D)  # (num_pages * page_size, Hkv, D): one row per token slot
+        vp = self.v[layer].view(-1, self.H, self.D)
+        if self._mode == "prefill":  # the prompts are contiguous here: plain causal attention, then store
+            b, t, dst = self._scatter
+            kp[dst] = k.transpose(1, 2)[b, t].to(kp.dtype)
+            vp[dst] = v.transpose(1, 2)[b, t].to(vp.dtype)
+            self._write_meta(layer, self._filled)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        kp[self._dst] = k[:, :, 0].to(kp.dtype)
+        vp[self._dst] = v[:, :, 0].to(vp.dtype)
+        self._write_meta(layer, self._filled)  # before selecting: a page that fills now is scored now
+        sel = n_sel = None  # dense: every page
+        if self.budget is not None and layer >= self.dense_layers:
+            sel, n_sel = self._select(layer, q[:, :, 0])
+        y = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], self._table, self._seq_lens, sel, n_sel)
+        return y[:, :, None]  # (B, Hq, 1, D)
+
+    def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
+        phys = self._table.long()  # (B, P); entries past a row's pages hold stale ids, masked in selection
+        if self.scorer == "quest":
+            scores = quest_scores(q, self.kmin[layer][phys], self.kmax[layer][phys])
+        else:
+            scores = centroid_scores(q, self.kmean[layer][phys])
+        n_pages, n_full, n_read = self._counts
+        return select_pages(scores, n_pages, n_full, n_read, self.keep_first, self.keep_recent, max(self.n_read))
 
     def advance(self, T):
-        self.lens += self.valid[:, self.t:self.t + T].sum(1)
-        self.t += T
-
-    def keep(self, rows):
-        """Drop finished rows: rows is a (B',) index tensor of the rows that live on."""
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
-        self.valid, self.lens = self.valid[rows], self.lens[rows]
+        if self._mode == "decode":
+            for r in self._rows:
+                self.lens[r] += T
 
 
 def sample(logits, temperature, top_p, gen):
@@ -102,14 +247,29 @@ def sample(logits, temperature, top_p, gen):
 
 
 class Engine:
-    def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(), eos_ids=None):
+    def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(), eos_ids=None,
+                 page_size=16, sparse=False, scorer="centroid", keep_recent=2, dense_layers=2, keep_first=1,
+                 share_prefix=True, num_pages=None):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop = [s for s in stop if s]
         eos = eos_ids if eos_ids is not None else tokenizer.eos_token_id
-        self.eos = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.eos = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos[0])
         self.max_len = model.config.max_position_embeddings
+        if not (isinstance(page_size, int) and page_size >= 1):
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if sparse is not False and sparse is not None and not callable(sparse):
+            raise TypeError(f"sparse must be False or a budget function n_pages -> pages (see sparsity.py), "
+                            f"got {sparse!r}")
+        if scorer not in ("centroid", "quest"):
+            raise ValueError(f"scorer must be 'centroid' or 'quest', got {scorer!r}")
+        for name, x in (("keep_recent", keep_recent), ("dense_layers", dense_layers), ("keep_first", keep_first)):
+            if not (isinstance(x, int) and x >= 0):
+                raise ValueError(f"{name} must be an int >= 0, got {x!r}")
+        self.page_size, self.budget, self.scorer = page_size, (sparse or None), scorer
+        self.keep_recent, self.dense_layers, self.keep_first = keep_recent, dense_layers, keep_first
+        self.share_prefix, self.num_pages = share_prefix, num_pages
 
     def _check_lengths(self, prompt_ids):
         for i, p in enumerate(prompt_ids):
@@ -125,72 +285,125 @@ class Engine:
         texts = self.tok.batch_decode([out[r][-tail:] for r in rows], skip_special_tokens=True)
         return [r for r, t in zip(rows, texts) if any(s in t for s in self.stop)]
 
+    def _groups(self, prompt_ids, G):
+        """[(prompt, rows)] per distinct prompt: the rows (of the N = len(prompt_ids) * G) that share its pages.
+        Without prefix sharing every row is its own group, prefilled on its own."""
+        if not self.share_prefix:
+            return [(list(p), [i * G + g]) for i, p in enumerate(prompt_ids) for g in range(G)]
+        groups = {}
+        for i, p in enumerate(prompt_ids):
+            groups.setdefault(tuple(p), []).extend(range(i * G, (i + 1) * G))
+        return [(list(p), rows) for p, rows in groups.items()]
+
+    def _new_cache(self, groups, N):
+        ps, new = self.page_size, self.max_new_tokens
+        longest = max(len(p) for p, _ in groups)
+        need = sum(len(p) // ps + len(rows) * -(-(len(p) % ps + new) // ps) for p, rows in groups)  # worst case
+        w = self.model.lm_head.weight
+        return PagedKVCache(self.model.config, N, -(-(longest + new) // ps), self.num_pages or need, ps, w.dtype,
+                            w.device, self.budget, self.scorer, self.keep_first, self.keep_recent, self.dense_layers)
+
+    def _prefill(self, cache, groups, N):
+        """Each distinct prompt through the model once, in length-sorted chunks of at most PREFILL_TOKENS padded
+        tokens. Returns the next-token logits of every row (N, V) fp32 and the number of forwards."""
+        model, dev = self.model, self.model.lm_head.weight.device
+        chunks, cur = [], []
+        for g in sorted(groups, key=lambda g: len(g[0])):
+            if cur and (len(cur) + 1) * len(g[0]) > PREFILL_TOKENS:
+                chunks.append(cur)
+                cur = []
+            cur.append(g)
+        chunks.append(cur)
+        logits = None
+        for chunk in chunks:
+            lens = torch.tensor([len(p) for p, _ in chunk])
+            ids = torch.full((len(chunk), int(lens.max())), self.pad_id, dtype=torch.long)
+            for i, (p, _) in enumerate(chunk):  # right padding: real tokens never attend to the pads after them
+                ids[i, :len(p)] = torch.tensor(p)
+            cache.begin_prefill([(len(p), rows) for p, rows in chunk])
+            h = model(ids.to(dev), cache=cache, hidden=True)  # (b, T, C); only the last real token is projected
+            lg = model.lm_head(h[torch.arange(len(chunk)), lens - 1]).float()  # (b, V)
+            if logits is None:
+                logits = lg.new_empty(N, lg.shape[-1])
+            rows = torch.tensor([r for _, rs in chunk for r in rs])
+            logits[rows.to(dev)] = lg[torch.tensor([i for i, (_, rs) in enumerate(chunk) for _ in rs], device=dev)]
+        return logits, len(chunks)
+
     @torch.no_grad()
     def generate(self, prompt_ids, group_size=1, seed=0):
         self._check_lengths(prompt_ids)
         model, dev = self.model, self.model.lm_head.weight.device
         gen = torch.Generator(device=dev).manual_seed(seed)
-        rows = [p for p in prompt_ids for _ in range(group_size)]
-        N, P = len(rows), max(len(p) for p in prompt_ids)
-        ids = torch.full((N, P), self.pad_id, dtype=torch.long)
-        valid = torch.zeros(N, P, dtype=torch.bool)
-        for i, p in enumerate(rows):  # left padding: every row's last prompt token sits in column P - 1
-            ids[i, P - len(p):] = torch.tensor(p)
-            valid[i, P - len(p):] = True
-        cache = KVCache(model.config, N, P + self.max_new_tokens, model.lm_head.weight.dtype, dev)
+        N, ps, L = len(prompt_ids) * group_size, self.page_size, model.config.num_hidden_layers
+        groups = self._groups(prompt_ids, group_size)
+        cache = self._new_cache(groups, N)
         t0 = time.perf_counter()
-        cache.extend(valid.to(dev))
-        logits = model(ids.to(dev), cache=cache)[:, -1]
+        logits, calls = self._prefill(cache, groups, N)
         t1 = time.perf_counter()
-        out = [[] for _ in range(N)]
-        lps = [[] for _ in range(N)]
+        out, lps = [[] for _ in range(N)], [[] for _ in range(N)]
+        budget = [[-(-len(prompt_ids[r // group_size]) // ps)] for r in range(N)]  # prefill reads every page
+        dense = [list(b) for b in budget]
         finish = ["length"] * N
-        live = torch.arange(N)  # original row id of each row still in the batch
+        live = list(range(N))  # row id of each row still in the batch
         eos_set = set(self.eos.tolist())
+        sparse_layers = max(0, L - self.dense_layers) if self.budget is not None else 0
+        pages_read = pages_dense = 0
         for step in range(self.max_new_tokens):
             tok, lp = sample(logits, self.temperature, self.top_p, gen)
             tok_l, lp_l = tok.tolist(), lp.tolist()  # CPU-GPU sync point, once per step
-            done = []
-            for j, r in enumerate(live.tolist()):
+            done = set()
+            for j, r in enumerate(live):
+                out[r].append(tok_l[j])  # EOS is sampled and trained on; it is not part of the text
+                lps[r].append(lp_l[j])
                 if tok_l[j] in eos_set:
                     finish[r] = "eos"
-                    done.append(j)
-                    out[r].append(tok_l[j])  # EOS is sampled and trained on; it is not part of the text
-                    lps[r].append(lp_l[j])
-                    continue
-                out[r].append(tok_l[j])
-                lps[r].append(lp_l[j])
+                    done.add(j)
             if self.stop:
-                cand = [j for j, r in enumerate(live.tolist()) if finish[r] == "length"]
-                hit = set(self._stopped(out, [live[j].item() for j in cand]))
-                for j in cand:
-                    if live[j].item() in hit:
-                        finish[live[j].item()] = "stop"
-                        done.append(j)
+                cand = [r for j, r in enumerate(live) if j not in done]
+                hit = set(self._stopped(out, cand))
+                for j, r in enumerate(live):
+                    if r in hit:
+                        finish[r] = "stop"
+                        done.add(j)
             if step == self.max_new_tokens - 1:
                 break
-            if done:
-                keep = torch.tensor(sorted(set(range(len(live))) - set(done)), dtype=torch.long)
-                if len(keep) == 0:
+            if done:  # finished rows leave the batch and give their pages back
+                for j in done:
+                    cache.release(live[j])
+                keep = [j for j in range(len(live)) if j not in done]
+                live, tok = [live[j] for j in keep], tok[torch.tensor(keep, dtype=torch.long, device=dev)]
+                if not live:
                     break
-                live, tok = live[keep], tok[keep]
-                cache.keep(keep.to(dev))
-            cache.extend(torch.ones(len(live), 1, dtype=torch.bool, device=dev))
+            cache.begin_decode(live)
+            for j, r in enumerate(live):
+                budget[r].append(cache.n_read[j])
+                dense[r].append(cache.n_pages[j])
+            pages_read += sum(cache.n_read) * sparse_layers + sum(cache.n_pages) * (L - sparse_layers)
+            pages_dense += sum(cache.n_pages) * L
             logits = model(tok[:, None], cache=cache)[:, -1]
+        for r in live:
+            cache.release(r)
         t2 = time.perf_counter()
-        return self._pack(prompt_ids, group_size, out, lps, finish, {"prefill_s": t1 - t0, "decode_s": t2 - t1})
+        real = sum(len(p) * len(rows) for p, rows in groups)  # every row's prompt: what a naive engine prefills
+        timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_calls": calls,
+                   "prefill_tokens": sum(len(p) for p, _ in groups), "prefill_tokens_naive": real,
+                   "pages_read": pages_read, "pages_dense": pages_dense, "pages_total": cache.num_pages,
+                   "pages_peak": cache.peak, "pages_free_end": len(cache.free)}
+        return self._pack(prompt_ids, group_size, out, lps, finish, timings, budget, dense)
 
-    def _pack(self, prompt_ids, G, out, lps, finish, timings):
+    def _pack(self, prompt_ids, G, out, lps, finish, timings, budget, dense):
         N, T = len(out), max(1, max(len(o) for o in out))
         tokens = torch.full((N, T), self.pad_id, dtype=torch.long)
         mask = torch.zeros(N, T, dtype=torch.bool)
-        logp = torch.zeros(N, T)
+        logp, bud, bud_dense = torch.zeros(N, T), torch.zeros(N, T), torch.zeros(N, T)
         for i, (o, l) in enumerate(zip(out, lps)):
             tokens[i, :len(o)], mask[i, :len(o)], logp[i, :len(l)] = torch.tensor(o, dtype=torch.long), True, torch.tensor(l)
+            bud[i, :len(o)], bud_dense[i, :len(o)] = torch.tensor(budget[i][:len(o)], dtype=torch.float), \
+                torch.tensor(dense[i][:len(o)], dtype=torch.float)
         texts = self.tok.batch_decode(out, skip_special_tokens=True)
         pidx = torch.arange(len(prompt_ids)).repeat_interleave(G)
         timings["new_tokens"] = int(mask.sum())
-        return Rollouts(pidx, tokens, mask, logp, finish, texts, G, timings)
+        return Rollouts(pidx, tokens, mask, logp, finish, texts, G, timings, bud, bud_dense)
 
 
 @torch.no_grad()

@@ -75,6 +75,7 @@ class Config:
     sft_steps: int = 600
     sft_batch: int = 64
     sft_lr: float = 3e-3
+    sft_noise: float = 0.0  # fraction of teacher traces that end with the wrong convention (see teacher_trace)
     # rollout
     prompts_per_step: int = 16
     group_size: int = 8
@@ -283,13 +284,26 @@ def tiny_model_config(cfg, tok):
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
+def teacher_trace(problem, noise, rng):
+    """The SFT target: the task's reference trace, except that with probability `noise` the teacher ends on the
+    value it looked up last instead of the running sum ("a=7>7 b=2>9 #2" instead of "#9"). An imperfect teacher
+    with the wrong answer convention: the warm start learns the mix, and RL must find from the verifier's reward
+    alone which ending is right (the most common early win of RLVR in practice)."""
+    import prompts
+    trace = prompts.synthetic_trace(problem)
+    if rng.random() < noise:
+        body, _, _ = trace.rpartition(" #")
+        trace = f"{body} #{body.split(' ')[-1].split('=')[1].split('>')[0]}"
+    return trace
+
+
 def warm_start(cfg, tok, dev, log):
     """The tiny model's starting point: SFT on the synthetic task's reference traces, cached in out_dir/warmstart.
     The cache is keyed by everything that shapes it, so changing the model or the SFT settings rebuilds it."""
     import prompts
     from model import Transformer
     key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn", "difficulty",
-                                        "sft_steps", "sft_batch", "sft_lr")}
+                                        "sft_steps", "sft_batch", "sft_lr", "sft_noise")}
     path = os.path.join(cfg.out_dir, "warmstart")
     try:
         with open(os.path.join(path, "sft_key.json")) as f:
@@ -302,13 +316,14 @@ def warm_start(cfg, tok, dev, log):
     model = Transformer(tiny_model_config(cfg, tok)).to(dev)
     data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000, cfg.difficulty)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    rng = random.Random(cfg.seed)
     log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} steps")
     from tqdm import tqdm
     for step in tqdm(range(cfg.sft_steps), desc="sft", disable=cfg._rank != 0, dynamic_ncols=True):
         batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
         p_ids = [tok.encode(p.prompt, add_special_tokens=False) for p in batch]
-        c_ids = [torch.tensor(tok.encode(prompts.synthetic_trace(p), add_special_tokens=False) + [tok.eos_token_id])
-                 for p in batch]
+        c_ids = [torch.tensor(tok.encode(teacher_trace(p, cfg.sft_noise, rng), add_special_tokens=False)
+                              + [tok.eos_token_id]) for p in batch]
         ids, tmask = build_batch(p_ids, c_ids, [torch.ones(len(c), dtype=torch.bool) for c in c_ids], tok.pad_token_id)
         ids, tmask = ids.to(dev), tmask.to(dev)
         lr = cfg.sft_lr * min(1.0, (step + 1) / 50) * (0.5 * (1 + math.cos(math.pi * step / cfg.sft_steps)))
@@ -470,7 +485,8 @@ def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, wor
     stats = torch.zeros(5, device=dev, dtype=torch.float64)  # loss sum, tokens, clipped, skipped, grad norm
     if kept:
         p_ids = [pool_ids[i] for i, *_ in kept for _ in range(cfg.group_size)]
-        ids, tmask = build_batch(p_ids, torch.cat([k[1] for k in kept]), torch.cat([k[2] for k in kept]), engine.pad_id)
+        ids, tmask = build_batch(p_ids, [row for k in kept for row in k[1]], [row for k in kept for row in k[2]],
+                                 engine.pad_id)  # groups from different refill tries have different lengths
         adv = torch.cat([group_advantages(k[3], cfg.group_size, cfg.adv_eps)[0] for k in kept])
         ids, tmask, adv = ids.to(dev), tmask.to(dev), adv.to(dev)
     else:  # nothing to learn from here, but this rank still joins every collective of the update
@@ -579,7 +595,7 @@ def fmt(rec):
              + (" SHORT" if rec.get("short") else ""),
              "rollout " + g("gen_s", "{:.2f}s ") + g("prefill_s", "(prefill {:.2f}s ") + g("decode_s", "decode {:.2f}s) ")
              + g("len_mean", "len {:.1f}"),
-             "reward " + g("reward", "{:.3f} ") + g("reach_verify", "verify {:.2f} ") + g("dedup_saved", "dedup {} ")
+             "reward " + g("reward", "{:.3f} ") + g("reach_verify", "verify {:.2f} ") + g("dedup_saved", "dedup {:.2f} ")
              + (g("errors", "errors {} ") if rec.get("errors") else "") + (g("timeouts", "timeouts {}") if rec.get("timeouts") else ""),
              "update " + g("loss", "loss {:+.4f} ") + g("clipfrac", "clip {:.3f} ") + g("grad_norm", "gn {:.2f} ")
              + g("train_s", "{:.2f}s") + (g("skipped_nonfinite", " NONFINITE-SKIPPED {}") if rec.get("skipped_nonfinite") else "")]

@@ -1,0 +1,138 @@
+"""
+sparsity.py: sparsity primitives that several stages share. This first part is the KV-page selection that
+the rollout engine's block-sparse decode uses (Sparrow's "block top-k", with Quest's bound as an option).
+
+    from sparsity import fraction_budget
+    engine = Engine(model, tok, sparse=fraction_budget(1 / 8), scorer="centroid", keep_recent=2, dense_layers=2)
+
+How a decode step picks the KV pages it reads, per sequence and per KV head:
+    1. Every full page carries metadata, written once when the page fills: its mean key, and for Quest its
+       elementwise min and max keys.
+    2. A scorer rates each page against the step's query: `centroid_scores` (the query averaged over its
+       GQA group, dotted with the mean key) or `quest_scores` (Quest's upper bound on q . k over the page).
+    3. A budget function says how many pages to read from how many are cached: `budget(n_pages) -> int`.
+       `fixed_budget`, `fraction_budget`, `dense_budget` and the per-bin `table_budget` (a schedule) all fit.
+    4. `select_pages` keeps the first `keep_first` pages (attention sinks), the last `keep_recent` pages and
+       the partial last page, then fills the rest of the budget with the best-scored pages. Its output is
+       what `kernels.block_sparse_decode.decode_attention` takes: LOGICAL page ids, padded, and a count.
+
+Simplifications:
+    1. The budget counts every page read, the always-kept ones included; a budget below the kept count
+       reads just the kept pages, one above the cached count reads everything. (Sparrow's published
+       table, 29, 61, 93, ..., looks like it counts the top-k pages alone: add the kept pages to use it.)
+    2. The budget is per sequence (a function of its own length), shared by all its KV heads and sparse
+       layers; which pages fill it differs per KV head.
+    3. Quest with GQA: the bound is taken per query head and the group keeps the max, since a page is read
+       for the whole group and matters if it matters to any one of its heads.
+    4. Scores are fp32 and unscaled (1/sqrt(D) does not change a ranking).
+
+Tests: `python -m pytest tests/test_sparsity.py`.
+"""
+
+import math
+
+import torch
+
+# ----------------------------------------------------------------------------- budgets: pages to read
+
+
+def fixed_budget(pages):
+    """Read the same number of pages at every length (Quest's fixed token budget, in pages)."""
+    if pages < 1:
+        raise ValueError(f"fixed_budget wants at least 1 page, got {pages}")
+    return lambda n_pages: pages
+
+
+def fraction_budget(fraction, min_pages=1):
+    """Read a fixed fraction of the cached pages (rounded up), at least `min_pages`."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction_budget wants a fraction in (0, 1], got {fraction}")
+    return lambda n_pages: max(min_pages, math.ceil(fraction * n_pages))
+
+
+def dense_budget(n_pages):
+    """Every page: the sparse code path at full budget, which must equal dense decoding."""
+    return n_pages
+
+
+def table_budget(table, bin_pages):
+    """A schedule: table[i] pages for cached lengths in bin i (bins of `bin_pages` pages), and the last
+    entry beyond the table. Sparrow's tables use bins of 2,000 tokens (125 pages of 16)."""
+    if not table or bin_pages < 1:
+        raise ValueError(f"table_budget wants a non-empty table and bin_pages >= 1, got {table}, {bin_pages}")
+    table = [int(x) for x in table]
+    return lambda n_pages: table[min(n_pages // bin_pages, len(table) - 1)]
+
+
+def kept_count(n_pages, n_full, keep_first, keep_recent):
+    """How many pages a sequence always reads: the first ones, the recent ones and the partial last page.
+    The two ranges start at opposite ends, so their union is their summed size capped at n_pages."""
+    recent = max(keep_recent, n_pages - n_full)  # n_pages - n_full is 1 when the last page is partial
+    return min(n_pages, min(keep_first, n_pages) + recent)
+
+
+def pages_to_read(budget, n_pages, n_full, keep_first, keep_recent):
+    """The budget of one sequence, clamped to [pages always kept, pages cached]. Python ints, no device."""
+    want = int(budget(n_pages))
+    return min(n_pages, max(want, kept_count(n_pages, n_full, keep_first, keep_recent)))
+
+
+# ----------------------------------------------------------------------------- scorers
+
+
+def centroid_scores(q, kmean):
+    """Sparrow's block score. q (B, H_q, D) decode queries, kmean (B, P, H_kv, D) mean key of each logical page
+    -> (B, H_kv, P): the GQA group's mean query dotted with the page's mean key."""
+    B, H_q, D = q.shape
+    H_kv = kmean.shape[2]
+    qg = q.float().view(B, H_kv, H_q // H_kv, D).mean(2)  # (B, H_kv, D)
+    return torch.einsum("bhd,bphd->bhp", qg, kmean.float())
+
+
+def quest_scores(q, kmin, kmax):
+    """Quest's bound. q (B, H_q, D), kmin/kmax (B, P, H_kv, D) elementwise key extremes of each page
+    -> (B, H_kv, P): sum_i max(q_i * min_i, q_i * max_i), an upper bound on q . k for any key k in the page,
+    per query head, then the max over the GQA group (simplification 3)."""
+    B, H_q, D = q.shape
+    H_kv = kmin.shape[2]
+    qg = q.float().view(B, H_kv, H_q // H_kv, 1, D)  # (B, H_kv, G, 1, D)
+    lo = kmin.float().permute(0, 2, 1, 3)[:, :, None]  # (B, H_kv, 1, P, D)
+    hi = kmax.float().permute(0, 2, 1, 3)[:, :, None]
+    bound = torch.maximum(qg * lo, qg * hi).sum(-1)  # (B, H_kv, G, P)
+    return bound.amax(2)
+
+
+def page_metadata(pages, with_bounds):
+    """pages (n, page_size, H_kv, D) full pages of keys -> mean (n, H_kv, D), and min, max or None, None."""
+    k = pages.float()
+    if not with_bounds:
+        return k.mean(1), None, None
+    return k.mean(1), k.amin(1), k.amax(1)
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def select_pages(scores, n_pages, n_full, n_read, keep_first=1, keep_recent=2, max_read=None):
+    """Pick the pages each (sequence, KV head) reads.
+
+    scores   (B, H_kv, P) page scores (only full pages need sensible ones; the rest is ignored)
+    n_pages  (B,) pages cached per sequence (the last may be partial), <= P
+    n_full   (B,) full pages per sequence (n_pages or n_pages - 1)
+    n_read   (B,) pages to read, already clamped by `pages_to_read` (so >= the kept count)
+    max_read int, n_read.max() if the caller knows it on the host (saves a device sync)
+    -> sel (B, H_kv, max_read) int32 logical page ids, ascending, zero-padded; n_sel (B, H_kv) int32.
+    """
+    B, H_kv, P = scores.shape
+    dev = scores.device
+    j = torch.arange(P, device=dev)
+    n_pages, n_full, n_read = (x.to(dev).long()[:, None] for x in (n_pages, n_full, n_read))  # (B, 1)
+    valid = j < n_pages  # (B, P)
+    kept = valid & ((j < keep_first) | (j >= n_pages - keep_recent) | (j >= n_full))
+    s = scores.float().masked_fill(kept[:, None], float("inf")).masked_fill(~valid[:, None], float("-inf"))
+    k = int(n_read.max()) if max_read is None else max_read  # CPU-GPU sync point unless max_read is given
+    top = s.topk(k, dim=-1).indices  # (B, H_kv, k): kept pages first (+inf), then the best scores
+    used = torch.arange(k, device=dev) < n_read[:, :, None]  # (B, 1, k)
+    sel = torch.where(used, top, P).sort(-1).values  # ascending page order reads memory in order
+    sel = torch.where(used, sel, 0).to(torch.int32)
+    return sel, n_read.to(torch.int32).expand(B, H_kv)
