@@ -69,6 +69,7 @@ class Config:
     task: str = "synthetic"  # synthetic | gsm8k | math
     data: str = ""  # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
     difficulty: tuple = (2, 6)  # synthetic task: range of chain lengths
+    order: str = "defined"  # synthetic task: defined | shuffled (see prompts.make_synthetic)
     n_train: int = 20000  # synthetic problems in the training pool (0 = all rows of a dataset)
     n_eval: int = 200  # held-out problems
     # warm start (the tiny model only)
@@ -247,8 +248,8 @@ def load_problems(cfg):
     """-> (train problems, held-out problems)."""
     import prompts
     if cfg.task == "synthetic":
-        return (prompts.make_synthetic(cfg.n_train, cfg.seed, cfg.difficulty),
-                prompts.make_synthetic(cfg.n_eval, cfg.seed + 10_000, cfg.difficulty))
+        return (prompts.make_synthetic(cfg.n_train, cfg.seed, cfg.difficulty, cfg.order),
+                prompts.make_synthetic(cfg.n_eval, cfg.seed + 10_000, cfg.difficulty, cfg.order))
     loader = {"gsm8k": prompts.load_gsm8k, "math": prompts.load_math}.get(cfg.task)
     if loader is None:
         raise ValueError(f"config key 'task' must be synthetic, gsm8k or math, got {cfg.task!r}")
@@ -302,7 +303,7 @@ def warm_start(cfg, tok, dev, log):
     The cache is keyed by everything that shapes it, so changing the model or the SFT settings rebuilds it."""
     import prompts
     from model import Transformer
-    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn", "difficulty",
+    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn", "difficulty", "order",
                                         "sft_steps", "sft_batch", "sft_lr", "sft_noise")}
     path = os.path.join(cfg.out_dir, "warmstart")
     try:
@@ -314,7 +315,7 @@ def warm_start(cfg, tok, dev, log):
         pass
     torch.manual_seed(cfg.seed)
     model = Transformer(tiny_model_config(cfg, tok)).to(dev)
-    data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000, cfg.difficulty)
+    data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000, cfg.difficulty, cfg.order)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
     rng = random.Random(cfg.seed)
     log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} steps")

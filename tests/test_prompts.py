@@ -22,13 +22,15 @@ MBPP = os.path.join(FIX, "mbpp_small.jsonl")
 
 # ---------------------------------------------------------------- synthetic task
 
-def test_synthetic_example_format():
-    p = make_synthetic(1, seed=0, difficulty=3)[0]
+@pytest.mark.parametrize("order,n_vars", [("defined", 3), ("shuffled", 5)])
+def test_synthetic_example_format(order, n_vars):
+    p = make_synthetic(1, seed=0, difficulty=3, order=order)[0]
     assigns, expr = p.prompt.rstrip("\n").split("?")
     values = {k: int(v) for k, v in (a.split("=") for a in assigns.split(","))}
     terms = expr.split("+")
     assert p.prompt.endswith("\n") and p.task == "synthetic"
-    assert len(values) == 5 and len(terms) == 3 and set(terms) <= set(values)
+    assert len(values) == n_vars and len(terms) == 3 and set(terms) <= set(values) and len(set(terms)) == 3
+    assert order == "shuffled" or terms == list(values)  # "defined": summed in the order of definition
     assert all(0 <= v <= 9 for v in values.values())
     running, steps = 0, []
     for t in terms:
@@ -62,12 +64,15 @@ def test_synthetic_answer_is_last_running_sum():
         assert p.meta["trace"].endswith(f"#{p.answer}")
 
 
-def test_synthetic_length_grows_with_difficulty():
-    lens = [len(make_synthetic(1, seed=0, difficulty=d)[0].meta["trace"]) for d in (1, 10, 50, 200)]
+@pytest.mark.parametrize("order", ["defined", "shuffled"])
+def test_synthetic_length_grows_with_difficulty(order):
+    lens = [len(make_synthetic(1, seed=0, difficulty=d, order=order)[0].meta["trace"]) for d in (1, 10, 50, 200)]
     assert lens == sorted(lens) and len(set(lens)) == 4
     assert lens[-1] > 1000
-    p = make_synthetic(1, seed=0, difficulty=200)[0]
-    assert len(p.prompt.split("?")[0].split(",")) == 26  # n_vars capped at 26
+    p = make_synthetic(1, seed=0, difficulty=200, order=order)[0]
+    names = [a.split("=")[0] for a in p.prompt.split("?")[0].split(",")]
+    assert len(set(names)) == len(names) >= 200  # two-letter names once the alphabet runs out
+    assert synthetic_trace(p) == p.meta["trace"]
 
 
 @pytest.mark.parametrize("bad", [0, -1, (0, 3), (5, 2)])
