@@ -49,8 +49,10 @@ import torch.nn.functional as F
 
 @dataclass
 class Config:
+    """Every setting, with defaults for a real model on one GPU. configs/tiny.py overrides them for the embedded
+    default, and applies whenever no config file is given."""
     # run
-    out_dir: str = "out/tiny"
+    out_dir: str = "out/run"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16: the policy's weights (and optimizer state)
@@ -66,21 +68,21 @@ class Config:
     n_kv_head: int = 2
     ffn: int = 384
     # data
-    task: str = "synthetic"  # synthetic | gsm8k | math
+    task: str = "synthetic"  # synthetic | gsm8k | math | code (MBPP, rewarded by unit tests in the sandbox)
     data: str = ""  # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
-    difficulty: tuple = (2, 6)  # synthetic task: range of chain lengths
+    difficulty: tuple = (2, 8)  # synthetic task: range of chain lengths
     order: str = "defined"  # synthetic task: defined | shuffled (see prompts.make_synthetic)
-    n_train: int = 20000  # synthetic problems in the training pool (0 = all rows of a dataset)
-    n_eval: int = 200  # held-out problems
+    n_train: int = 0  # problems in the training pool (0 = every row of a dataset; synthetic needs a number)
+    n_eval: int = 500  # held-out problems
     # warm start (the tiny model only)
     sft_steps: int = 600
-    sft_batch: int = 64
-    sft_lr: float = 3e-3
+    sft_batch: int = 16
+    sft_lr: float = 1e-3
     sft_noise: float = 0.0  # fraction of teacher traces that end with the wrong convention (see teacher_trace)
     # rollout
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     group_size: int = 8
-    max_new_tokens: int = 64
+    max_new_tokens: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
     stop: str = ""  # a stop string (besides EOS); empty = none
@@ -94,16 +96,16 @@ class Config:
     math_verify: bool = True  # symbolic equivalence (math, gsm8k) for answers that fail the exact match
     max_chars: int = 0  # cheap check: longer completions score 0 (0 = no limit)
     judge: str = ""  # optional "module:function" taking (prompt, completion, reference) -> float
-    # update
-    steps: int = 100
-    lr: float = 1e-4
+    # stage 4: the update
+    steps: int = 200
+    lr: float = 1e-6
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 5
+    warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     passes: int = 1  # optimizer passes over each batch
     minibatches: int = 1  # optimizer steps per pass
-    micro_batch: int = 64  # sequences per forward/backward
+    micro_batch: int = 8  # sequences per forward/backward
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
@@ -140,11 +142,16 @@ def _typecheck(key, value, default):
     return value
 
 
+TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
+
+
 def parse_config(argv):
-    """argv: [config_file.py] [--key=value ...] -> Config. The tiny config is the default."""
+    """argv: [config_file.py] [--key=value ...] -> Config. Without a config file, configs/tiny.py applies."""
     cfg = Config()
     defaults = dataclasses.asdict(cfg)
     overrides = {}
+    if not any(not a.startswith("--") for a in argv):
+        argv = [TINY] + list(argv)
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:
@@ -153,6 +160,8 @@ def parse_config(argv):
             overrides[k] = v
         else:
             ns = {}
+            if not os.path.exists(arg):
+                raise FileNotFoundError(f"config file {arg!r} does not exist")
             with open(arg) as f:
                 exec(compile(f.read(), arg, "exec"), {}, ns)
             overrides.update({k: v for k, v in ns.items() if not k.startswith("_")})
@@ -248,11 +257,11 @@ def load_problems(cfg):
     """-> (train problems, held-out problems)."""
     import prompts
     if cfg.task == "synthetic":
-        return (prompts.make_synthetic(cfg.n_train, cfg.seed, cfg.difficulty, cfg.order),
+        return (prompts.make_synthetic(cfg.n_train or 20_000, cfg.seed, cfg.difficulty, cfg.order),
                 prompts.make_synthetic(cfg.n_eval, cfg.seed + 10_000, cfg.difficulty, cfg.order))
-    loader = {"gsm8k": prompts.load_gsm8k, "math": prompts.load_math}.get(cfg.task)
+    loader = {"gsm8k": prompts.load_gsm8k, "math": prompts.load_math, "code": prompts.load_mbpp}.get(cfg.task)
     if loader is None:
-        raise ValueError(f"config key 'task' must be synthetic, gsm8k or math, got {cfg.task!r}")
+        raise ValueError(f"config key 'task' must be synthetic, gsm8k, math or code, got {cfg.task!r}")
     src = {"source": cfg.data} if cfg.data else {}
     if cfg.data and os.path.exists(cfg.data):  # one local file: hold out its last n_eval rows
         rows = loader(**src)
