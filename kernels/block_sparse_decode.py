@@ -329,12 +329,16 @@ def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_se
     pos = page[..., None] * P + torch.arange(P, device=dev)  # (B, H_kv, S, P)
     tok_ok = (page_ok[..., None] & (pos < seq_lens[:, None, None, None])).view(B, H_kv, 1, S * P)
 
-    heads = torch.arange(H_kv, device=dev)[None, :, None]  # (1, H_kv, 1)
-    # advanced indices split by a slice go first: (B, H_kv, S) + (P, D)
-    k = k_cache[phys, :, heads].reshape(B, H_kv, S * P, D).float()
-    v = v_cache[phys, :, heads].reshape(B, H_kv, S * P, D).float()
-    # masked slots may hold NaN (uninitialised cache): zero them, since 0 * NaN is NaN
-    v = v.masked_fill(~tok_ok.view(B, H_kv, S * P, 1), 0.0)
+    # one flat gather per cache: row ((phys * P + t) * H_kv + h) of a (pages * P * H_kv, D) view. Masked slots
+    # read token 0 of the row's first page instead, a real value (the cache may hold NaN elsewhere, and 0 * NaN
+    # is NaN), so V needs no masking; their scores are masked below.
+    heads = torch.arange(H_kv, device=dev)[None, :, None, None]  # (1, H_kv, 1, 1)
+    flat = (phys[..., None] * P + torch.arange(P, device=dev)) * H_kv + heads  # (B, H_kv, S, P)
+    page0 = torch.where(seq_lens > 0, page_table[:, 0].long(), 0)  # an empty row's table may hold anything
+    first = (page0 * P * H_kv)[:, None, None, None] + heads  # token 0 of page 0, per head
+    flat = torch.where(tok_ok.view(B, H_kv, S, P), flat, first).reshape(-1)
+    k = k_cache.reshape(-1, D).index_select(0, flat).view(B, H_kv, S * P, D).float()
+    v = v_cache.reshape(-1, D).index_select(0, flat).view(B, H_kv, S * P, D).float()
 
     qg = q.float().view(B, H_kv, G, D)  # the GQA group of each KV head
     s = (qg @ k.transpose(-1, -2)) * scale  # (B, H_kv, G, S * P)
@@ -343,7 +347,7 @@ def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_se
     m = torch.where(m == float("-inf"), 0.0, m)  # nothing valid: p = 0 everywhere, output 0
     p = torch.exp(s - m)
     l = p.sum(-1, keepdim=True)
-    out = (p @ v) / torch.where(l > 0, l, 1.0)  # (B, H_kv, G, D)
+    out = torch.where(l > 0, (p @ v) / l.clamp(min=1e-30), 0.0)  # (B, H_kv, G, D); an empty row's gather may be junk
     return out.view(B, H_q, D).to(q.dtype)
 
 

@@ -166,3 +166,23 @@ def test_torchrun_two_ranks_end_identical(tmp_path):
     assert len(sums) == 2 and sums[0] == sums[1] and "(identical)" in line
     recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r["tokens"] > 0 for r in recs)  # the ranks really trained (and still agree)
+
+
+def test_dynamic_sampling_trains_short_when_tries_run_out(tmp_path, monkeypatch, capsys):
+    import reward
+    orig = reward.Cascade.score_batch
+
+    def all_zero(self, problems, texts, group_size=1):  # no group ever has spread: nothing to learn from
+        res = orig(self, problems, texts, group_size)
+        res.rewards = [0.0] * len(texts)
+        return res
+
+    monkeypatch.setattr(reward.Cascade, "score_batch", all_zero)
+    out = train.main(TINY_RUN + ["--steps=2", "--refill_tries=3", f"--out_dir={tmp_path}", "--save_every=100"])
+    recs = out["records"]
+    assert all(r["tries"] == 4 and r["groups_kept"] == 0 and r["short"] == 1 and r["tokens"] == 0 for r in recs)
+    cap = capsys.readouterr()
+    assert "SHORT" in cap.out + cap.err
+    ws = Transformer.from_pretrained(str(tmp_path / "warmstart"))
+    from model import weight_checksum
+    assert out["checksums"][0] == weight_checksum(ws)  # no update happened: the weights are the warm start's
