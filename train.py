@@ -4,12 +4,17 @@ train.py: the entry point and the RL loop; stage 4 (the GRPO-style loss, the opt
     python train.py                                    # the embedded default: tiny model, synthetic task, CPU, offline
     python train.py configs/gsm8k_qwen3.py             # a config file of overrides
     python train.py configs/tiny.py --steps=20 --lr=1e-3   # ... plus command-line overrides
-    torchrun --nproc_per_node=2 train.py --steps=5     # DDP (gloo on the CPU, NCCL on GPUs); rank 0 prints
+    torchrun --nproc_per_node=2 train.py --threads=1   # data parallel (gloo on the CPU, NCCL on GPUs); rank 0 prints
 
-One step (see DESIGN.md):
-    prompts -> engine.generate (G completions each) -> rewards -> group advantages -> drop groups whose
-    rewards are all equal -> dense log-probs -> clipped policy-gradient loss -> AdamW -> (next step's rollouts
-    use the new weights directly: colocated, nothing to sync yet).
+One step (see DESIGN.md), in `collect` and `rl_step`:
+    1 signal   the sampler draws prompts from the growth zone (pass rate neither ~0 nor ~1)
+    2 rollout  engine.generate: G completions each, the prompt prefilled once per group
+    3 rewards  the verifier cascade; every rank tells the sampler every group's rewards
+               groups whose rewards are all equal carry no gradient: they are dropped and the batch is refilled
+               with fresh prompts, up to `refill_tries` times; then it is trained short, never padded (DAPO)
+    4 update   group advantages -> dense log-probs -> clipped policy-gradient loss -> AdamW
+    5 sync     colocated: the next step's rollouts use the new weights directly (sync.py ships deltas elsewhere)
+The log has one line per step with each stage's figures, plus a tqdm bar; metrics.jsonl has every number.
 
 The loss, per sampled token t of completion i in group g:
     A_i      = (r_i - mean_g r) / (std_g r + eps)                    group-normalised advantage
@@ -25,6 +30,9 @@ Simplifications:
     3. The embedded default builds its own warm start (an SFT pass on the synthetic task's traces) and
        caches it under the output folder; real models start from their checkpoint.
     4. A NaN or inf loss or gradient skips the optimizer step on every rank; the step is logged as skipped.
+    5. Data parallelism sums gradients with one all-reduce per optimizer step instead of wrapping the model in
+       DDP: with dynamic sampling, ranks keep different numbers of groups, and DDP's hooks would hang on
+       ranks that run fewer backward passes.
 
 Config: `Config` below is the one source of truth. A config file is Python: assignments of its fields.
 Command-line overrides are --key=value. Unknown keys and wrong types are errors that name the key.
@@ -109,6 +117,10 @@ class Config:
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
+    is_correction: str = "tis"  # none | tis | mis: importance weights for the rollout/trainer mismatch
+    is_cap: float = 2.0  # tis: weight = min(p_train / p_rollout, is_cap)
+    mis_low: float = 0.5  # mis: tokens whose ratio leaves [mis_low, mis_high] are dropped
+    mis_high: float = 2.0
     adv_eps: float = 1e-6
     pack: str = "auto"  # auto | on | off: pack sequences without padding (flash-attn on CUDA; masked SDPA elsewhere)
     # evaluation, checkpoints, logs
@@ -185,13 +197,39 @@ def group_advantages(rewards, G, eps=1e-6):
     return adv.view(-1), keep
 
 
-def pg_loss(logp, old_logp, adv, mask, clip_low, clip_high, ref_logp=None, kl_coef=0.0):
+def is_weights(old_logp, rollout_logp, mask, mode, cap=2.0, lo=0.5, hi=2.0):
+    """Importance weights for the rollout/trainer mismatch (a sparse, low-precision or stale rollout policy):
+    ratio = p_train / p_rollout per sampled token. "tis": min(ratio, cap) (truncated IS, as in TIS/FlashRL);
+    "mis": ratio where lo <= ratio <= hi, else 0 (the token is dropped); "none": 1. Returns weights (N, T),
+    detached, and stats: the fraction truncated or masked, and the per-sample acceptance rate
+    alpha = min(1, ratio) (mean and 5th percentile), the mismatch statistic of Sparrow."""
+    ratio = torch.exp((old_logp - rollout_logp).clamp(max=20.0)) * mask
+    m = mask.bool()
+    alpha = ratio[m].clamp(max=1.0)
+    stats = {"alpha_mean": alpha.mean().item() if m.any() else 1.0,
+             "alpha_p5": alpha.quantile(0.05).item() if m.any() else 1.0}
+    if mode == "tis":
+        w = ratio.clamp(max=cap)
+        stats["is_cut"] = ((ratio > cap) & m).sum().item()
+    elif mode == "mis":
+        keep = (ratio >= lo) & (ratio <= hi)
+        w = torch.where(keep, ratio, 0.0)
+        stats["is_cut"] = (~keep & m).sum().item()
+    elif mode == "none":
+        w, stats["is_cut"] = torch.ones_like(ratio), 0
+    else:
+        raise ValueError(f"config key 'is_correction' must be none, tis or mis, got {mode!r}")
+    return (w * mask).detach(), stats
+
+
+def pg_loss(logp, old_logp, adv, mask, clip_low, clip_high, ref_logp=None, kl_coef=0.0, is_w=None):
     """Per-token clipped surrogate. logp, old_logp, mask (N, T); adv (N,). Returns summed loss, stats.
-    The caller divides by the number of sampled tokens (token-level aggregation)."""
+    `is_w` (N, T) multiplies the policy term (IS correction). The caller divides by the number of sampled
+    tokens (token-level aggregation)."""
     ratio = torch.exp(logp - old_logp)
     a = adv[:, None]
     surr = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
-    loss = -surr
+    loss = -surr if is_w is None else -surr * is_w
     if kl_coef > 0:
         d = ref_logp - logp  # k3 estimator of KL(policy || ref): e^d - d - 1 >= 0
         loss = loss + kl_coef * (torch.exp(d) - d - 1)
@@ -473,7 +511,8 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
         sampler.observe([i for idx, _ in everyone for i in idx], [g for _, rs in everyone for g in rs])
         for g in range(len(batch)):
             if group_has_signal(r[g].tolist(), cfg.min_spread) and len(kept) < n_local:
-                kept.append((batch[g][0], ro.tokens[g * G:(g + 1) * G], ro.mask[g * G:(g + 1) * G], r[g]))
+                rows = slice(g * G, (g + 1) * G)
+                kept.append((batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows]))
         rec["tries"] = t + 1
         n_kept = gather(len(kept), world)
         if min(n_kept) >= n_local:  # the decision to refill is global: every rank runs the same collectives
@@ -498,11 +537,16 @@ def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, wor
         ids, tmask = build_batch(p_ids, [row for k in kept for row in k[1]], [row for k in kept for row in k[2]],
                                  engine.pad_id)  # groups from different refill tries have different lengths
         adv = torch.cat([group_advantages(k[3], cfg.group_size, cfg.adv_eps)[0] for k in kept])
-        ids, tmask, adv = ids.to(dev), tmask.to(dev), adv.to(dev)
+        roll = torch.zeros(tmask.shape)  # the rollout policy's log-probs, at the trainer's target positions
+        roll[tmask] = torch.cat([lp[m] for k in kept for lp, m in zip(k[4], k[2])])
+        ids, tmask, adv, roll = ids.to(dev), tmask.to(dev), adv.to(dev), roll.to(dev)
     else:  # nothing to learn from here, but this rank still joins every collective of the update
         ids, tmask, adv = (torch.zeros(0, 1, dtype=torch.long, device=dev), torch.zeros(0, 1, dtype=torch.bool, device=dev),
                            torch.zeros(0, device=dev))
-    stats += train_on(cfg, model, opt, ids, tmask, adv, world)
+        roll = torch.zeros(0, 1, device=dev)
+    out = train_on(cfg, model, opt, ids, tmask, adv, world, roll)
+    stats += out.pop("stats")
+    rec.update(out)
     if world > 1:
         torch.distributed.all_reduce(stats)
     rec.update(loss=(stats[0] / stats[1].clamp(min=1)).item(), tokens=int(stats[1]),
@@ -524,15 +568,17 @@ def allreduce_grads(model, world):
         p.grad = g.view_as(p)
 
 
-def train_on(cfg, model, opt, ids, tmask, adv, world):
+def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
     """`passes` x `minibatches` optimizer steps over one batch of kept rollouts (the same count on every rank,
-    whatever its share of the batch). Token-level loss over the global minibatch. Returns summed stats."""
+    whatever its share of the batch). Token-level loss over the global minibatch. `rollout_logp` (N, T), the
+    rollout policy's log-probs at the target positions, drives the IS correction and the mismatch statistics.
+    Returns {"stats": summed stats, and this rank's mismatch figures}."""
     stats = torch.zeros(5, device=ids.device, dtype=torch.float64)
     ntok = tmask.sum().double()
     if world > 1:
         torch.distributed.all_reduce(ntok)
     if ntok.item() == 0:  # no rank kept a group: nothing to update (decided globally)
-        return stats
+        return {"stats": stats}
     packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda and model_flash_ok())
     N, mbs = ids.shape[0], cfg.micro_batch
 
@@ -543,6 +589,9 @@ def train_on(cfg, model, opt, ids, tmask, adv, world):
     with torch.no_grad():  # logp_old: the policy before this batch's first update
         old = logprobs_of(model, torch.arange(N))
         ref = logprobs_of(cfg._ref_model, torch.arange(N)) if cfg.kl_coef > 0 else None
+    mode = cfg.is_correction if rollout_logp is not None else "none"
+    is_w, mis = is_weights(old, old if rollout_logp is None else rollout_logp, tmask.float(), mode,
+                           cfg.is_cap, cfg.mis_low, cfg.mis_high)
     mb_tokens = (ntok / cfg.minibatches).clamp(min=1)  # token-level mean over the (global) minibatch
     for _ in range(cfg.passes):
         for k in range(cfg.minibatches):
@@ -550,7 +599,7 @@ def train_on(cfg, model, opt, ids, tmask, adv, world):
             for micro in torch.arange(k, N, cfg.minibatches).split(mbs):  # may be empty on this rank
                 lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed)
                 loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low, cfg.clip_high,
-                                  None if ref is None else ref[micro], cfg.kl_coef)
+                                  None if ref is None else ref[micro], cfg.kl_coef, is_w[micro])
                 (loss / mb_tokens).backward()
                 stats[0] += loss.item()
                 stats[2] += s["clipped"]
@@ -566,7 +615,9 @@ def train_on(cfg, model, opt, ids, tmask, adv, world):
             opt.step()
             stats[4] += gn.item()
     stats[1] = tmask.sum() * cfg.passes
-    return stats
+    local_tokens = max(1, int(tmask.sum()))
+    return {"stats": stats, "alpha_mean": mis["alpha_mean"], "alpha_p5": mis["alpha_p5"],
+            "is_cut": mis["is_cut"] / local_tokens}
 
 
 def load_judge(spec):
@@ -607,6 +658,7 @@ def fmt(rec):
              + g("len_mean", "len {:.1f}"),
              "reward " + g("reward", "{:.3f} ") + g("reach_verify", "verify {:.2f} ") + g("dedup_saved", "dedup {:.2f} ")
              + (g("errors", "errors {} ") if rec.get("errors") else "") + (g("timeouts", "timeouts {}") if rec.get("timeouts") else ""),
+             "mismatch " + g("alpha_mean", "alpha {:.4f} ") + g("alpha_p5", "p5 {:.4f} ") + g("is_cut", "is-cut {:.3f}"),
              "update " + g("loss", "loss {:+.4f} ") + g("clipfrac", "clip {:.3f} ") + g("grad_norm", "gn {:.2f} ")
              + g("train_s", "{:.2f}s") + (g("skipped_nonfinite", " NONFINITE-SKIPPED {}") if rec.get("skipped_nonfinite") else "")]
     if "acc" in rec:
@@ -688,7 +740,7 @@ def main(argv):
             save_checkpoint(cfg, model, tok, opt, sampler, step + 1, history)
     from model import weight_checksum
     sums = [weight_checksum(model)]
-    if world > 1:  # DDP keeps replicas identical; check it instead of trusting it
+    if world > 1:  # data parallelism keeps the replicas identical; check it instead of trusting it
         sums = [None] * world
         torch.distributed.all_gather_object(sums, weight_checksum(model))
     history["checksums"] = sums

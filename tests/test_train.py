@@ -76,6 +76,25 @@ def test_pg_loss_by_hand_with_clip_boundaries_and_padding():
     assert g[0, 1] == 0 and g[1, 0] == 0 and g[1, 2] == 0 and g[0, 0] == pytest.approx(-1.0)
 
 
+def test_is_weights_tis_and_mis_by_hand():
+    roll = torch.zeros(1, 5)
+    old = torch.log(torch.tensor([[0.25, 0.8, 1.0, 1.5, 3.0]]))  # p_train / p_rollout
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # the last token is padding
+    w, s = train.is_weights(old, roll, mask, "tis", cap=1.2)
+    assert torch.allclose(w, torch.tensor([[0.25, 0.8, 1.0, 1.2, 0.0]]), atol=1e-6) and s["is_cut"] == 1
+    w, s = train.is_weights(old, roll, mask, "mis", lo=0.5, hi=1.2)
+    assert torch.allclose(w, torch.tensor([[0.0, 0.8, 1.0, 0.0, 0.0]]), atol=1e-6) and s["is_cut"] == 2
+    w, s = train.is_weights(old, roll, mask, "none")
+    assert torch.equal(w, mask) and s["is_cut"] == 0
+    assert s["alpha_mean"] == pytest.approx((0.25 + 0.8 + 1 + 1) / 4, abs=1e-6)  # min(1, ratio) over real tokens
+    with pytest.raises(ValueError, match="is_correction"):
+        train.is_weights(old, roll, mask, "bogus")
+    # the weight multiplies the policy term: a token with weight 0 gets no gradient
+    lp = torch.zeros(1, 5, requires_grad=True)
+    train.pg_loss(lp, torch.zeros(1, 5), torch.ones(1), mask.bool(), 0.2, 0.2, is_w=w * 0 + torch.tensor([[0, 1, 1, 1, 1.0]]))[0].backward()
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 1] == -1
+
+
 def test_pg_loss_kl_term():
     lp, ref = torch.zeros(1, 2), torch.log(torch.tensor([[0.5, 2.0]]))
     loss, _ = train.pg_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.2, ref, kl_coef=0.5)
@@ -115,10 +134,10 @@ def test_nonfinite_loss_skips_the_step_and_keeps_weights():
     ids = torch.randint(1, 20, (2, 6))
     tmask = torch.zeros(2, 6, dtype=torch.bool)
     tmask[:, 2:5] = True
-    stats = train.train_on(cfg, m, opt, ids, tmask, torch.tensor([float("nan"), 1.0]), world=1)
+    stats = train.train_on(cfg, m, opt, ids, tmask, torch.tensor([float("nan"), 1.0]), world=1)["stats"]
     assert stats[3].item() == 1  # one step skipped
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
-    stats = train.train_on(cfg, m, opt, ids, tmask, torch.tensor([-1.0, 1.0]), world=1)
+    stats = train.train_on(cfg, m, opt, ids, tmask, torch.tensor([-1.0, 1.0]), world=1)["stats"]
     assert stats[3].item() == 0 and any(not torch.equal(before[k], v) for k, v in m.state_dict().items())
 
 
