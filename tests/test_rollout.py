@@ -9,16 +9,6 @@ from rollout import Engine, generate_naive, sample
 from sparsity import dense_budget, fixed_budget, fraction_budget
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from threads, and on a busy machine threads that wait on each other can make
-    an op a hundred times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class CharTok:  # the smallest tokenizer the engine needs: ids 0 pad, 1 eos, then characters
     pad_token_id, eos_token_id = 0, 1
     chars = "abcdefghij =#>?+,\n0123456789"

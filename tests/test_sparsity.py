@@ -9,16 +9,6 @@ from sparsity import (centroid_scores, dense_budget, fixed_budget, fraction_budg
                       pages_to_read, quest_scores, select_pages, table_budget)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors gain nothing from threads, and on a busy machine threads that wait on each other can make
-    an op a hundred times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_budget_functions():
     assert fixed_budget(5)(100) == 5 and dense_budget(37) == 37
     assert fraction_budget(1 / 8)(64) == 8 and fraction_budget(1 / 8)(65) == 9 and fraction_budget(0.1, 4)(10) == 4
