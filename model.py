@@ -15,11 +15,24 @@ Where the attention happens:
     (packed training on a GPU), or `cache.attend(layer, q, k, v)` when a KV cache is passed. The rollout engine
     owns the cache object, so it decides there whether a decode step reads every KV page or a sparse subset.
 
+LoRA (stage 4, sparse updates):
+    add_lora(model, r=8, alpha=16)      # q,k,v,o,gate,up,down (MoE experts too; never lm_head, not the router);
+                                        # every other parameter is frozen
+    save_adapter(model, "out/adapter", "Qwen/Qwen3-0.6B")   # PEFT's files: PeftModel.from_pretrained loads them
+    load_adapter(model, "out/adapter")  # add_lora with the folder's config, then its tensors (ours or PEFT's)
+    merge_lora(model)                   # folds W + alpha/r * B @ A in place: plain Linears again
+    `state_dict()` keeps PEFT's names (q_proj.base_layer.weight, q_proj.lora_A.weight), which sync.py's adapter mode
+    ships. `save_pretrained` folds the enabled adapters into a copy, so a LoRA model's checkpoint is a plain one that
+    transformers loads. `LoRALinear.enabled = False` (or `set_lora_enabled(model, False)`) gives the base output
+    exactly. MoE experts keep one adapter per expert linear, under per-expert names; PEFT folds them onto
+    transformers' fused expert tensors when it loads the adapter (tested with peft 0.21, transformers 5).
+
 Simplifications:
     1. No sliding-window attention, no rope scaling variants (Qwen3's dense and MoE checkpoints use neither).
     2. MoE experts run as a loop over the experts that received tokens, like the reference implementation;
        good enough for small expert counts, not a grouped-GEMM kernel.
-    3. No dropout (RL fine-tuning runs without it).
+    3. No dropout (RL fine-tuning runs without it), except LoRA's optional input dropout.
+    4. LoRA: one adapter per model, one rank and alpha for every target; no DoRA, no rsLoRA, no embedding adapters.
 """
 
 import json
@@ -298,10 +311,11 @@ class Transformer(nn.Module):
         return model.to(dtype)
 
     def save_pretrained(self, out_dir):
-        """Write config.json and model.safetensors that transformers' AutoModelForCausalLM loads."""
+        """Write config.json and model.safetensors that transformers' AutoModelForCausalLM loads. Enabled LoRA
+        adapters are folded into a copy of the weights (disabled ones are left out): the file holds what forward computes."""
         from safetensors.torch import save_file
         os.makedirs(out_dir, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        sd = {k: v.detach().contiguous().cpu() for k, v in merged_state_dict(self).items()}  # LoRA folded in
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         hf = self.config.to_hf()
@@ -323,3 +337,147 @@ def weight_checksum(model):
         h.update(k.encode())
         h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- LoRA (stage 4: sparse updates)
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # all but lm_head, router
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + B(A(dropout(x))) * alpha / r with the base frozen. The submodule names are PEFT's, so the
+    state_dict keys (base_layer.weight, lora_A.weight (r, in), lora_B.weight (out, r)) are what PEFT and sync.py use."""
+
+    def __init__(self, base: nn.Linear, r, alpha, dropout=0.0):
+        super().__init__()
+        self.base_layer, self.r, self.alpha, self.scaling, self.enabled = base, r, alpha, alpha / r, True
+        kw = dict(bias=False, device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(base.in_features, r, **kw)
+        self.lora_B = nn.Linear(r, base.out_features, **kw)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init: A random, B zero, so the
+        nn.init.zeros_(self.lora_B.weight)                            # adapted model starts as the base model
+
+    def forward(self, x):
+        y = self.base_layer(x)
+        if not self.enabled:  # exactly the base output: the dense policy can ignore a rollout-only adapter
+            return y
+        x = self.lora_dropout(x.to(self.lora_A.weight.dtype))  # adapter weights may be kept in fp32 over a bf16 base
+        return y + (self.lora_B(self.lora_A(x)) * self.scaling).to(y.dtype)
+
+    def merged_weight(self):
+        """W + scaling * B @ A in fp32, rounded once to W's dtype: the same bits as sync.merge_lora."""
+        W = self.base_layer.weight
+        return (W.float() + (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling).to(W.dtype)
+
+    def extra_repr(self):
+        return f"r={self.r}, alpha={self.alpha}, enabled={self.enabled}"
+
+
+def lora_modules(model):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def _swap(model, name, new):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def add_lora(model, r=8, alpha=16, dropout=0.0, targets=LORA_TARGETS):
+    """Wrap, in place, every nn.Linear whose name is a target or ends in "." + target (PEFT's rule) in a LoRALinear,
+    freeze every other parameter, and return the model. lm_head stays a plain Linear: the trainer and the rollout
+    engine read lm_head.weight and call it on hidden states."""
+    if not (isinstance(r, int) and r >= 1):
+        raise ValueError(f"add_lora: r must be an int >= 1, got {r!r}")
+    if lora_modules(model):
+        raise ValueError("add_lora: the model already has LoRA adapters (merge_lora(model) first)")
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    hits = {t: [] for t in targets}
+    for name, m in model.named_modules():
+        t = next((t for t in targets if name == t or name.endswith("." + t)), None)
+        if t is None:
+            continue
+        if m is getattr(model, "lm_head", None):
+            raise ValueError(f"add_lora: target {t!r} matches lm_head, which must stay a plain nn.Linear")
+        if type(m) is not nn.Linear:
+            raise TypeError(f"add_lora: target {t!r} matches {name!r}, a {type(m).__name__}, not an nn.Linear")
+        hits[t].append(name)
+    missing = [t for t, names in hits.items() if not names]
+    if missing:
+        raise ValueError(f"add_lora: targets {missing} match no nn.Linear in the model")
+    model.requires_grad_(False)
+    for name in (n for names in hits.values() for n in names):
+        _swap(model, name, LoRALinear(model.get_submodule(name), r, alpha, dropout))
+    model.lora_config = dict(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)  # for save_adapter
+    return model
+
+
+def set_lora_enabled(model, enabled):
+    for _, m in lora_modules(model):
+        m.enabled = enabled
+
+
+def lora_state_dict(model):
+    """The adapter tensors under PEFT's file names: base_model.model.<module>.lora_{A,B}.weight."""
+    return {f"base_model.model.{n}.lora_{ab}.weight": getattr(m, "lora_" + ab).weight.detach()
+            for n, m in lora_modules(model) for ab in "AB"}
+
+
+@torch.no_grad()
+def merged_state_dict(model):
+    """state_dict() under the plain names, with the enabled adapters folded in (disabled ones left out)."""
+    sd = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    sd.update({n + ".weight": m.merged_weight() for n, m in lora_modules(model) if m.enabled})
+    return sd
+
+
+@torch.no_grad()
+def merge_lora(model):
+    """Fold every adapter into its base weight and put the plain nn.Linear back, in place; returns the model.
+    requires_grad flags stay as add_lora left them."""
+    mods = lora_modules(model)
+    off = [n for n, m in mods if not m.enabled]
+    if off:  # folding would change the output, dropping would lose the adapter: make the caller choose
+        raise ValueError(f"merge_lora: the adapter on {off[0]!r} (and {len(off) - 1} more) is disabled; enable it")
+    for name, m in mods:
+        m.base_layer.weight.copy_(m.merged_weight())
+        _swap(model, name, m.base_layer)
+    model.__dict__.pop("lora_config", None)
+    return model
+
+
+def save_adapter(model, out_dir, base_model_name_or_path):
+    """adapter_config.json + adapter_model.safetensors, the files peft.PeftModel.from_pretrained(hf_model, out_dir)
+    loads onto the transformers model of the same checkpoint."""
+    from safetensors.torch import save_file
+    if not lora_modules(model) or not hasattr(model, "lora_config"):
+        raise ValueError("save_adapter: the model has no LoRA adapters (call add_lora first)")
+    cfg = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
+               **model.lora_config, bias="none", fan_in_fan_out=False, inference_mode=True, init_lora_weights=True,
+               use_rslora=False, use_dora=False, modules_to_save=None, layers_to_transform=None,
+               layers_pattern=None, rank_pattern={}, alpha_pattern={}, revision=None)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    sd = {k: v.contiguous().cpu() for k, v in lora_state_dict(model).items()}
+    save_file(sd, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def load_adapter(model, adapter_dir):
+    """add_lora with an adapter folder's config, then its tensors (ours or PEFT's); returns the model."""
+    from safetensors.torch import load_file
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    odd = {k: cfg.get(k) for k in ("use_dora", "use_rslora", "fan_in_fan_out") if cfg.get(k)}
+    if cfg.get("peft_type") != "LORA" or odd or not isinstance(cfg.get("target_modules"), list):
+        raise ValueError(f"adapter {adapter_dir}: only plain LoRA with a target_modules list is supported "
+                         f"(peft_type {cfg.get('peft_type')!r}, target_modules {cfg.get('target_modules')!r}, {odd})")
+    add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"])
+    own, sd = lora_state_dict(model), load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    if set(own) != set(sd):
+        raise ValueError(f"adapter {adapter_dir} does not match the model: missing {sorted(set(own) - set(sd))[:3]}, "
+                         f"unexpected {sorted(set(sd) - set(own))[:3]}")
+    for k, v in own.items():
+        v.copy_(sd[k])
+    return model

@@ -26,7 +26,13 @@ Simplifications:
        for the whole group and matters if it matters to any one of its heads.
     4. Scores are fp32 and unscaled (1/sqrt(D) does not change a ranking).
 
-Tests: `python -m pytest tests/test_sparsity.py`.
+N:M weight masks (the last section): `nm_mask(w, n, m)` keeps the n largest |w| of every m consecutive inputs in each
+output row (Wanda's |W| * ||X|| scores can be passed instead), and `apply_nm(model, 2, 4)` prunes every Linear of a
+model in place, the head and the MoE router excepted. sync.make_rollout_copy("nm2:4") builds the pruned rollout copy.
+Simplification: magnitude masks recomputed from the current weights, no calibration and no learned masks (RoI,
+MaskLLM); masked dense, so a 2:4 kernel (`to_sparse_semi_structured`) is what would turn the zeros into speed.
+
+Tests: `python -m pytest tests/test_sparsity.py tests/test_copies.py`.
 """
 
 import math
@@ -136,3 +142,47 @@ def select_pages(scores, n_pages, n_full, n_read, keep_first=1, keep_recent=2, m
     sel = torch.where(used, top, P).sort(-1).values  # ascending page order reads memory in order
     sel = torch.where(used, sel, 0).to(torch.int32)
     return sel, n_read.to(torch.int32).expand(B, H_kv)
+
+
+# ----------------------------------------------------------------------------- N:M weight masks
+
+
+def nm_mask(weight, n, m, scores=None):
+    """weight (out, in) -> bool mask (out, in) that keeps, in every output row, the n best of each m consecutive
+    inputs (the layout 2:4 sparse tensor cores want). Best = largest |w|, or largest `scores` when given: a tensor
+    of weight's shape, e.g. Wanda's |W| * ||X||_2 with ||X||_2 (in,) the norm of each input channel over some
+    calibration tokens: `nm_mask(w, 2, 4, scores=w.abs() * xnorm)`. Ties are broken arbitrarily."""
+    if weight.dim() != 2:
+        raise ValueError(f"nm_mask wants a 2-D (out, in) weight, got shape {tuple(weight.shape)}")
+    if not 0 < n <= m:
+        raise ValueError(f"nm_mask wants 0 < n <= m, got n={n}, m={m}")
+    out_f, in_f = weight.shape
+    if in_f % m:
+        raise ValueError(f"nm_mask: weight of shape {tuple(weight.shape)} has {in_f} inputs, not a multiple of m={m}")
+    s = weight.abs() if scores is None else scores
+    if s.shape != weight.shape:
+        raise ValueError(f"nm_mask: scores of shape {tuple(s.shape)} do not match weight {tuple(weight.shape)}")
+    groups = s.detach().float().reshape(out_f, in_f // m, m)  # (out, in/m, m): one group per m inputs
+    keep = groups.topk(n, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
+    return mask.reshape(out_f, in_f)
+
+
+@torch.no_grad()
+def apply_nm(model, n, m, skip=("lm_head", "embed", "gate.")):
+    """Zero the pruned weights of every nn.Linear in place, magnitude N:M, and return {weight name: mask}.
+    `skip` holds substrings of weight names left dense: the output head (tied to the embeddings in small models)
+    and the MoE router ("mlp.gate.weight"; "gate." does not match "gate_proj"), whose few, small logits decide
+    routing. Pruning is masked dense: the zeros are stored, so it saves compute only with a 2:4 kernel."""
+    masks = {}
+    for name, mod in model.named_modules():
+        wname = f"{name}.weight"
+        if not isinstance(mod, torch.nn.Linear) or any(s in wname for s in skip):
+            continue
+        try:
+            mask = nm_mask(mod.weight, n, m)
+        except ValueError as e:
+            raise ValueError(f"apply_nm: layer {name}: {e}") from None
+        mod.weight.masked_fill_(~mask, 0)
+        masks[wname] = mask
+    return masks
