@@ -465,7 +465,8 @@ def save_adapter(model, out_dir, base_model_name_or_path):
 
 @torch.no_grad()
 def load_adapter(model, adapter_dir):
-    """add_lora with an adapter folder's config, then its tensors (ours or PEFT's); returns the model."""
+    """add_lora with an adapter folder's config (unless the model has adapters already, e.g. on resume), then
+    its tensors (ours or PEFT's); returns the model."""
     from safetensors.torch import load_file
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         cfg = json.load(f)
@@ -473,7 +474,8 @@ def load_adapter(model, adapter_dir):
     if cfg.get("peft_type") != "LORA" or odd or not isinstance(cfg.get("target_modules"), list):
         raise ValueError(f"adapter {adapter_dir}: only plain LoRA with a target_modules list is supported "
                          f"(peft_type {cfg.get('peft_type')!r}, target_modules {cfg.get('target_modules')!r}, {odd})")
-    add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"])
+    if not lora_modules(model):
+        add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"])
     own, sd = lora_state_dict(model), load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     if set(own) != set(sd):
         raise ValueError(f"adapter {adapter_dir} does not match the model: missing {sorted(set(own) - set(sd))[:3]}, "

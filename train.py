@@ -117,6 +117,10 @@ class Config:
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
+    lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer instead of all weights
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    rollout_copy: str = "same"  # same | bf16 | fp8 | nm2:4 (any nN:M): the weights that generate rollouts
     is_correction: str = "tis"  # none | tis | mis: importance weights for the rollout/trainer mismatch
     is_cap: float = 2.0  # tis: weight = min(p_train / p_rollout, is_cap)
     mis_low: float = 0.5  # mis: tokens whose ratio leaves [mis_low, mis_high] are dropped
@@ -432,7 +436,9 @@ def save_atomic(path, write):
 def save_checkpoint(cfg, model, tok, opt, sampler, step, history):
     state = {"step": step, "opt": opt.state_dict(), "sampler": sampler.state_dict(), "history": history,
              "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
+    from model import save_adapter
     save_atomic(os.path.join(cfg.out_dir, "ckpt"), lambda d: (model.save_pretrained(d), tok.save_pretrained(d),
+                                                               cfg.lora_r and save_adapter(model, d, cfg.model or "warmstart"),
                                                                torch.save(state, os.path.join(d, "trainer_state.pt"))))
 
 
@@ -443,8 +449,12 @@ def load_checkpoint(cfg, model, opt, sampler, dev):
             break
     else:
         raise FileNotFoundError(f"resume=True but there is no checkpoint in {cfg.out_dir}/ckpt")
-    sd = load_file(os.path.join(path, "model.safetensors"), device=str(dev))
-    model.load_state_dict(sd, strict=not model.config.tie_word_embeddings)
+    if cfg.lora_r:  # model.safetensors holds the merged weights (for other engines); resume from the adapter
+        from model import load_adapter
+        load_adapter(model, path)
+    else:
+        sd = load_file(os.path.join(path, "model.safetensors"), device=str(dev))
+        model.load_state_dict(sd, strict=not model.config.tie_word_embeddings)
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location=dev, weights_only=False)
     opt.load_state_dict(state["opt"])
     sampler.load_state_dict(state["sampler"])
@@ -561,10 +571,11 @@ def allreduce_grads(model, world):
     every rank runs its own micro-batches and joins exactly one all-reduce per optimizer step."""
     if world == 1:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    params = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter only
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.flatten() for g in grads])
     torch.distributed.all_reduce(flat)
-    for p, g in zip(model.parameters(), flat.split([g.numel() for g in grads])):
+    for p, g in zip(params, flat.split([g.numel() for g in grads])):
         p.grad = g.view_as(p)
 
 
@@ -604,7 +615,7 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
                 stats[0] += loss.item()
                 stats[2] += s["clipped"]
             allreduce_grads(model, world)
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
             bad = torch.tensor([0.0 if torch.isfinite(gn) else 1.0], device=ids.device)
             if world > 1:
                 torch.distributed.all_reduce(bad)
@@ -618,6 +629,26 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
     local_tokens = max(1, int(tmask.sum()))
     return {"stats": stats, "alpha_mean": mis["alpha_mean"], "alpha_p5": mis["alpha_p5"],
             "is_cut": mis["is_cut"] / local_tokens}
+
+
+def make_rollout(cfg, model):
+    """The model that generates: the policy itself, or a bf16 / fp8 / N:M copy of it (sync.make_rollout_copy).
+    With LoRA the copy is made from the merged weights, so the adapter is quantised or pruned with its layer."""
+    from model import merge_lora
+    from sync import make_rollout_copy
+    if cfg.rollout_copy == "same":
+        return model
+    import copy
+    return make_rollout_copy(merge_lora(copy.deepcopy(model)) if cfg.lora_r else model, cfg.rollout_copy)
+
+
+def refresh_rollout(cfg, rollout_model, model):
+    """After an update: re-derive the rollout copy from the policy (a no-op when they are the same object)."""
+    if rollout_model is model:
+        return
+    from model import merged_state_dict
+    from sync import refresh_rollout_copy
+    refresh_rollout_copy(rollout_model, merged_state_dict(model) if cfg.lora_r else model)
 
 
 def load_judge(spec):
@@ -688,8 +719,14 @@ def main(argv):
     train_p, train_ids = encode_pool(tok, train_p, cfg, ctx, log)
     eval_p, eval_ids = encode_pool(tok, eval_p, cfg, ctx, log)
     stop = [cfg.stop] if cfg.stop else []
-    engine = Engine(model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop)
-    greedy = Engine(model, tok, cfg.max_new_tokens, 0.0, 1.0, stop)
+    if cfg.lora_r:
+        from model import add_lora
+        add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+    rollout_model = make_rollout(cfg, model)
+    from sync import describe_copy
+    log(f"rollout copy: {describe_copy(rollout_model)}")
+    engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop)
+    greedy = Engine(model, tok, cfg.max_new_tokens, 0.0, 1.0, stop)  # held-out accuracy is the policy's
     if cfg.kl_coef > 0:
         import copy
         cfg._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -697,7 +734,8 @@ def main(argv):
         for p in model.parameters():
             torch.distributed.broadcast(p.data, 0)
     cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify, judge=load_judge(cfg.judge))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     if cfg.sampler == "growth":
         sampler = GrowthZoneSampler(train_p, cfg.seed, zone=cfg.zone, explore=cfg.explore)
     elif cfg.sampler == "uniform":
@@ -718,6 +756,7 @@ def main(argv):
     log(f"policy: {model.num_params() / 1e6:.2f}M parameters on {dev} ({cfg.dtype}), world size {world}; "
         f"{len(train_p)} training prompts")
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    refresh_rollout(cfg, rollout_model, model)
     if rank == 0:  # rewrite the log up to the resume point, so a resumed run does not repeat steps
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history["records"])
@@ -728,6 +767,7 @@ def main(argv):
             g["lr"] = lr_at(cfg, step)
         with amp:
             rec = rl_step(cfg, step, model, engine, cascade, opt, sampler, train_ids, rank, world, log)
+            refresh_rollout(cfg, rollout_model, model)  # stage 5, colocated: the copy follows the policy
             last = step == cfg.steps - 1
             if (step + 1) % cfg.eval_every == 0 or last:
                 rec["acc"] = evaluate(cfg, greedy, cascade, eval_p, eval_ids, rank, world)

@@ -205,3 +205,42 @@ def test_dynamic_sampling_trains_short_when_tries_run_out(tmp_path, monkeypatch,
     ws = Transformer.from_pretrained(str(tmp_path / "warmstart"))
     from model import weight_checksum
     assert out["checksums"][0] == weight_checksum(ws)  # no update happened: the weights are the warm start's
+
+
+@pytest.mark.parametrize("form", ["fp8", "nm2:4"])
+def test_rollout_copies_run_in_the_loop_with_is_correction(tmp_path, monkeypatch, form):
+    from fake_reward import use_parity_reward
+    use_parity_reward(monkeypatch.setattr)
+    recs = train.main(TINY_RUN + ["--steps=2", f"--rollout_copy={form}", "--is_correction=tis", "--is_cap=1.0",
+                                  f"--out_dir={tmp_path}", "--save_every=100"])["records"]
+    trained = [r for r in recs if r["tokens"] > 0]
+    assert trained and all(r["alpha_mean"] < 1.0 for r in trained)  # the copy really differs from the policy
+    assert any(r["is_cut"] > 0 for r in trained)  # and the truncation is active (cap 1: every ratio above 1 is cut)
+
+
+def test_lora_in_the_loop_trains_only_the_adapter_and_resumes(tmp_path, monkeypatch):
+    from fake_reward import use_parity_reward
+    use_parity_reward(monkeypatch.setattr)
+    run = TINY_RUN + ["--lora_r=4", "--lora_alpha=8"]
+    full = train.main(run + [f"--out_dir={tmp_path / 'a'}", "--save_every=100"])["records"]
+    ws = Transformer.from_pretrained(str(tmp_path / "a" / "warmstart"))
+    ck = Transformer.from_pretrained(str(tmp_path / "a" / "ckpt"))  # merged weights, plain HF names
+    assert (tmp_path / "a" / "ckpt" / "adapter_model.safetensors").exists()
+    assert any(not torch.equal(a, b) for a, b in zip(ws.state_dict().values(), ck.state_dict().values()))
+    # embeddings and norms are not adapted: they must be bit-identical to the warm start
+    assert torch.equal(ws.model.embed_tokens.weight, ck.model.embed_tokens.weight)
+    assert torch.equal(ws.model.norm.weight, ck.model.norm.weight)
+
+    real_step = train.rl_step
+
+    def crash_at_2(cfg, step, *a, **k):
+        if step == 2:
+            raise KeyboardInterrupt("killed")
+        return real_step(cfg, step, *a, **k)
+
+    monkeypatch.setattr(train, "rl_step", crash_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(run + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
+    monkeypatch.setattr(train, "rl_step", real_step)
+    resumed = train.main(run + [f"--out_dir={tmp_path / 'b'}", "--save_every=2", "--resume=true"])["records"]
+    assert full[2]["loss"] != 0.0 and resumed[2]["loss"] == pytest.approx(full[2]["loss"], abs=1e-6)
