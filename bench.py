@@ -6,7 +6,12 @@ machine, printed as a markdown table whose rows name the hardware and the comman
     python bench.py rollout --quick           # smaller sizes: a smoke run of the same code (under a minute)
     python bench.py rollout --write-readme    # also rewrite README.md between <!-- bench:rollout --> markers
 
+    python bench.py signal --write-readme     # stages 1 and 3: two embedded-default runs (about 8 minutes)
+
 Sections (one function each, `bench_<name>`; later stages add theirs):
+    signal   the embedded default with growth-zone and dynamic sampling against uniform sampling that trains on
+             every group, at the same number of rollouts: zero-advantage groups trained on, completions that
+             reach the expensive verifier, held-out accuracy
     rollout  (a) tokens/s of our engine against transformers' `generate`, same weights, batch and lengths
              (b) prefill work and time for a group of G = 8 rollouts of one long prompt, shared vs per rollout
              (c) one decode step's attention, sparse (1/8 of the pages) vs dense, on the CPU path
@@ -276,7 +281,50 @@ def bench_rollout(quick, cmd):
     return rows
 
 
-SECTIONS = {"rollout": bench_rollout}
+def run_summary(history):
+    """What one training run spent and kept, from its per-step records."""
+    recs = history["records"]
+    n = sum(r["rollouts"] for r in recs)
+    trained = sum(r["groups_kept"] for r in recs)
+    return {"rollouts": n, "zero_adv": sum(r["zero_adv_groups"] for r in recs) / max(1, trained),
+            "verify": sum(r.get("reach_verify", 0.0) * r["rollouts"] for r in recs) / max(1, n),
+            "acc0": history["acc0"], "acc": [r["acc"] for r in recs if "acc" in r][-1], "steps": len(recs)}
+
+
+def bench_signal(quick, cmd):
+    """Stages 1 and 3 on the embedded default: growth-zone sampling with dynamic sampling (ours) against uniform
+    sampling that trains on every group (baseline), at the same number of rollouts, from the same warm start."""
+    import shutil
+    import train
+    hw = hardware()
+    args = ["--plot=false"] + (["--steps=6", "--sft_steps=60", "--n_eval=50", "--eval_every=100"] if quick else [])
+    root = tempfile.mkdtemp(prefix="zeros-bench-signal-")
+    t0 = time.perf_counter()
+    ours = run_summary(train.main(args + [f"--out_dir={root}/ours"]))
+    t1 = time.perf_counter()
+    cfg = train.parse_config(args)
+    steps = max(1, round(ours["rollouts"] / (cfg.prompts_per_step * cfg.group_size)))  # the same rollout budget
+    shutil.copytree(f"{root}/ours/warmstart", f"{root}/base/warmstart")
+    base = run_summary(train.main(args + [f"--out_dir={root}/base", "--sampler=uniform", "--dynamic_sampling=false",
+                                          f"--steps={steps}"]))
+    t2 = time.perf_counter()
+    shutil.rmtree(root, ignore_errors=True)
+    sub = "growth zone + dynamic sampling vs uniform, every group trained"
+    rows = [f"| rollouts generated ({sub}) | {ours['rollouts']} in {ours['steps']} steps | {base['rollouts']} in "
+            f"{base['steps']} steps | {ours['rollouts'] / base['rollouts']:.2f}x | equal | {hw} | `{cmd}` |",
+            f"| trained groups with zero advantage | {ours['zero_adv']:.1%} | {base['zero_adv']:.1%} | | <= 5% | {hw} "
+            f"| `{cmd}` |",
+            f"| completions that reach the expensive verifier | {ours['verify']:.1%} | {base['verify']:.1%} | | <= 50% "
+            f"| {hw} | `{cmd}` |",
+            f"| held-out greedy accuracy, warm start {ours['acc0']:.3f} | {ours['acc']:.3f} | {base['acc']:.3f} | | "
+            f"at least as good | {hw} | `{cmd}` |",
+            f"| wall time | {t1 - t0:.0f} s | {t2 - t1:.0f} s | {(t1 - t0) / (t2 - t1):.2f}x | | {hw} | `{cmd}` |"]
+    for r in rows:
+        print(r, flush=True)
+    return rows
+
+
+SECTIONS = {"rollout": bench_rollout, "signal": bench_signal}
 
 
 def main(argv):

@@ -7,6 +7,9 @@ prefilled once per group and, optionally, block-sparse decode attention.
     ro.tokens, ro.mask, ro.logp                               # (N, T) completions, sampled-token mask, log-probs
     ro.budget, ro.timings                                     # (N, T) KV pages read per position; timings, counts
 
+    engine = Engine(model, tokenizer, topk_logprobs=20)       # also keep the top-20 of each rollout distribution
+    ro.topk_logp, ro.topk_ids                                 # (N, T, 20) for the mismatch statistic (sparsity.py)
+
     from sparsity import fraction_budget                      # sparse decode: read 1/8 of the KV pages
     engine = Engine(model, tokenizer, sparse=fraction_budget(1 / 8), scorer="centroid")
 
@@ -27,12 +30,16 @@ What one call does:
        The first `keep_first` pages and the last `keep_recent` (and the partial last page) are always read.
     4. Sampling: temperature, top-p, a seeded generator; the log-prob of the sampled token is taken under
        softmax(logits / temperature), which the trainer recomputes, so the two compare token by token.
+       With `topk_logprobs=k` the engine also keeps the k largest log-probs of that distribution (values and
+       token ids) at every sampled position: what `sparsity.alpha_topk` needs to bound the sparse-to-dense
+       acceptance rate. k = vocab_size keeps the whole distribution (small vocabularies: the exact alpha).
     5. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch at once and its pages
        go back to the free list (a shared prompt page when its last row finishes).
 
 Options (Engine keywords): page_size=16; sparse=False or a budget function; scorer="centroid" | "quest";
 keep_first=1, keep_recent=2, dense_layers=2 (sparse only); share_prefix=True (False prefills every row on its
-own, the baseline); num_pages=None (the pool's size; None is the call's worst case).
+own, the baseline); num_pages=None (the pool's size; None is the call's worst case); topk_logprobs=0 (k > 0
+fills ro.topk_logp and ro.topk_ids; padding positions hold -inf and token 0).
 Timings: prefill_s, decode_s, new_tokens; prefill_calls, prefill_tokens and prefill_tokens_naive (what
 prefilling every row would cost); pages_read and pages_dense (KV pages read by decode attention, summed over
 steps, rows and layers, and what dense decode reads); pages_total, pages_peak, pages_free_end (the pool).
@@ -40,7 +47,8 @@ steps, rows and layers, and what dense decode reads); pages_total, pages_peak, p
 Simplifications:
     1. No continuous batching: a call starts all its rows together and ends when the last one finishes.
        The pool holds the worst case of the call (every row at max_new_tokens) unless `num_pages` caps it.
-    2. The log-prob ignores top-p truncation (as verl and friends do); with top_p = 1 it is exact.
+    2. The log-prob ignores top-p truncation (as verl and friends do); with top_p = 1 it is exact. So do the
+       top-k log-probs; and with temperature 0 (greedy) both are taken at temperature 1.
     3. Stop strings are checked on the decoded tail of each row, so a stop string must decode the same
        whether or not it is tokenised on its own.
     4. Prefill is always dense, and a row's first token comes from it: `ro.budget[:, 0]` is the prompt's
@@ -76,6 +84,8 @@ class Rollouts:
     timings: dict = field(default_factory=dict)
     budget: torch.Tensor = None  # (N, T) KV pages read per sparse layer for the step that produced each token
     budget_dense: torch.Tensor = None  # (N, T) pages cached at that step: what dense decode reads
+    topk_logp: torch.Tensor = None  # (N, T, k) fp32 top-k log-probs of the rollout distribution, or None (k = 0)
+    topk_ids: torch.Tensor = None  # (N, T, k) their token ids (descending log-prob), or None
 
     def __len__(self):
         return self.tokens.shape[0]
@@ -231,6 +241,13 @@ class PagedKVCache:
                 self.lens[r] += T
 
 
+def topk_logprobs(logits, temperature, k):
+    """logits (B, V) fp32 -> the k largest log-probs of softmax(logits / T) (B, k) and their token ids (B, k),
+    descending; at temperature <= 0 (greedy) the distribution is taken at T = 1, as `sample` reports it."""
+    t = temperature if temperature > 0 else 1.0
+    return F.log_softmax(logits / t, -1).topk(k, dim=-1)
+
+
 def sample(logits, temperature, top_p, gen):
     """logits (B, V) fp32 -> token (B,), log-prob of it under softmax(logits / T) (B,)."""
     if temperature <= 0:  # greedy; the log-prob is reported at temperature 1
@@ -249,7 +266,7 @@ def sample(logits, temperature, top_p, gen):
 class Engine:
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(), eos_ids=None,
                  page_size=16, sparse=False, scorer="centroid", keep_recent=2, dense_layers=2, keep_first=1,
-                 share_prefix=True, num_pages=None):
+                 share_prefix=True, num_pages=None, topk_logprobs=0):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop = [s for s in stop if s]
@@ -270,6 +287,10 @@ class Engine:
         self.page_size, self.budget, self.scorer = page_size, (sparse or None), scorer
         self.keep_recent, self.dense_layers, self.keep_first = keep_recent, dense_layers, keep_first
         self.share_prefix, self.num_pages = share_prefix, num_pages
+        V = model.config.vocab_size
+        if not (isinstance(topk_logprobs, int) and 0 <= topk_logprobs <= V):
+            raise ValueError(f"topk_logprobs must be an int in [0, vocab_size={V}], got {topk_logprobs!r}")
+        self.topk = topk_logprobs
 
     def _check_lengths(self, prompt_ids):
         for i, p in enumerate(prompt_ids):
@@ -348,7 +369,10 @@ class Engine:
         eos_set = set(self.eos.tolist())
         sparse_layers = max(0, L - self.dense_layers) if self.budget is not None else 0
         pages_read = pages_dense = 0
+        topk = []  # (rows live at this step, values (B, k), ids (B, k)) per step, kept on the device
         for step in range(self.max_new_tokens):
+            if self.topk:
+                topk.append((list(live), *topk_logprobs(logits, self.temperature, self.topk)))
             tok, lp = sample(logits, self.temperature, self.top_p, gen)
             tok_l, lp_l = tok.tolist(), lp.tolist()  # CPU-GPU sync point, once per step
             done = set()
@@ -389,7 +413,21 @@ class Engine:
                    "prefill_tokens": sum(len(p) for p, _ in groups), "prefill_tokens_naive": real,
                    "pages_read": pages_read, "pages_dense": pages_dense, "pages_total": cache.num_pages,
                    "pages_peak": cache.peak, "pages_free_end": len(cache.free)}
-        return self._pack(prompt_ids, group_size, out, lps, finish, timings, budget, dense)
+        ro = self._pack(prompt_ids, group_size, out, lps, finish, timings, budget, dense)
+        if self.topk:
+            ro.topk_logp, ro.topk_ids = self._pack_topk(topk, N, ro.tokens.shape[1])
+        return ro
+
+    def _pack_topk(self, topk, N, T):
+        """Per-step top-k of the live rows -> (N, T, k) values and ids. Every live row samples one token per step,
+        so step s fills completion position s of the rows that were live at it."""
+        k, dev = self.topk, topk[0][1].device
+        vals = torch.full((N, T, k), float("-inf"), device=dev)  # padding: probability 0
+        ids = torch.zeros((N, T, k), dtype=torch.long, device=dev)
+        for s, (rows, v, i) in enumerate(topk):
+            r = torch.tensor(rows, device=dev)
+            vals[r, s], ids[r, s] = v, i
+        return vals.cpu(), ids.cpu()
 
     def _pack(self, prompt_ids, G, out, lps, finish, timings, budget, dense):
         N, T = len(out), max(1, max(len(o) for o in out))

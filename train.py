@@ -98,6 +98,7 @@ class Config:
     sampler: str = "growth"  # growth | uniform
     zone: tuple = (0.1, 0.9)  # pass-rate bounds of the growth zone
     explore: float = 0.1  # fraction of each batch spent on the least recently seen prompts
+    dynamic_sampling: bool = True  # drop groups whose rewards are all equal and refill (False: train on every group)
     refill_tries: int = 2  # extra draws to refill groups whose rewards are all equal; then train short
     min_spread: float = 0.0  # a group is kept when max - min reward exceeds this
     # stage 3: the verifier cascade
@@ -502,8 +503,8 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
     from reward import combine
     G, n_local = cfg.group_size, max(1, cfg.prompts_per_step // world)
     kept, results, rec = [], [], {"gen_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0, "tries": 0}
-    lens, finish_length, rewards_all, zone = [], 0, [], []
-    for t in range(1 + cfg.refill_tries):
+    lens, finish_length, rewards_all, zone, zero_adv = [], 0, [], [], 0
+    for t in range(1 + (cfg.refill_tries if cfg.dynamic_sampling else 0)):
         batch = sampler.next_batch(n_local * world)[rank * n_local:(rank + 1) * n_local]
         zone.append(sampler.stats().get("zone", float("nan")))
         t0 = time.perf_counter()
@@ -520,7 +521,9 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
         everyone = gather(([i for i, _ in batch], r.tolist()), world)
         sampler.observe([i for idx, _ in everyone for i in idx], [g for _, rs in everyone for g in rs])
         for g in range(len(batch)):
-            if group_has_signal(r[g].tolist(), cfg.min_spread) and len(kept) < n_local:
+            signal = group_has_signal(r[g].tolist(), cfg.min_spread)
+            if (signal or not cfg.dynamic_sampling) and len(kept) < n_local:
+                zero_adv += not signal
                 rows = slice(g * G, (g + 1) * G)
                 kept.append((batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows]))
         rec["tries"] = t + 1
@@ -530,6 +533,7 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
     rew = torch.cat(rewards_all)
     rec.update(reward=rew.mean().item(), groups_kept=sum(gather(len(kept), world)), groups=n_local * world,
                short=int(sum(n_kept) < n_local * world), len_mean=torch.cat(lens).mean().item(),
+               zero_adv_groups=sum(gather(zero_adv, world)), rollouts=len(rew) * world,
                finish_length=finish_length / len(rew), zone=sum(zone) / len(zone), **combine(results).summary())
     return kept, rec
 
