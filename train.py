@@ -737,7 +737,6 @@ def main(argv):
     if world > 1:  # the ranks start from the same weights (the warm start is seeded; checkpoints are shared)
         for p in model.parameters():
             torch.distributed.broadcast(p.data, 0)
-    cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify, judge=load_judge(cfg.judge))
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     if cfg.sampler == "growth":
@@ -749,6 +748,22 @@ def main(argv):
     if cfg.autocast not in ("none", "bfloat16"):
         raise ValueError(f"config key 'autocast' must be none or bfloat16, got {cfg.autocast!r}")
     amp = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.autocast == "bfloat16")
+    cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify, judge=load_judge(cfg.judge))
+    try:  # the cascade holds worker processes: close them however the run ends
+        history = run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, amp,
+                      (train_ids, eval_p, eval_ids), rank, world, dev, log)
+    finally:
+        cascade.close()
+    if world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return history
+
+
+def run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, amp, data, rank, world, dev, log):
+    """Evaluate the start, run the steps (log, metrics, checkpoints), check the ranks agree, summarise."""
+    from tqdm import tqdm
+    train_ids, eval_p, eval_ids = data
     start, history = 0, {"records": [], "acc0": None}
     if cfg.resume:
         start, history = load_checkpoint(cfg, model, opt, sampler, dev)
@@ -758,7 +773,7 @@ def main(argv):
             history["acc0"] = evaluate(cfg, greedy, cascade, eval_p, eval_ids, rank, world)
         log(f"held-out accuracy before RL: {history['acc0']:.3f} on {len(eval_p)} problems")
     log(f"policy: {model.num_params() / 1e6:.2f}M parameters on {dev} ({cfg.dtype}), world size {world}; "
-        f"{len(train_p)} training prompts")
+        f"{len(train_ids)} training prompts")
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     refresh_rollout(cfg, rollout_model, model)
     if rank == 0:  # rewrite the log up to the resume point, so a resumed run does not repeat steps
@@ -789,12 +804,8 @@ def main(argv):
         torch.distributed.all_gather_object(sums, weight_checksum(model))
     history["checksums"] = sums
     log(f"weight checksum per rank: {' '.join(sums)}" + (" (identical)" if len(set(sums)) == 1 else " (DIFFERENT)"))
-    cascade.close()
     if rank == 0:
         summarize(cfg, history, time.perf_counter() - t_start, log)
-    if world > 1:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return history
 
 
