@@ -94,6 +94,11 @@ class Config:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: str = ""  # a stop string (besides EOS); empty = none
+    page_size: int = 16  # KV-cache page, in tokens
+    kv_budget: str = "dense"  # dense | fraction:F | fixed:N | table:N1,N2,...: KV pages read per decode step
+    kv_bin_pages: int = 125  # table: bin width in pages (Sparrow: 2,000 tokens = 125 pages of 16)
+    kv_scorer: str = "centroid"  # centroid | quest: how pages are scored for the sparse budget
+    dense_layers: int = 2  # the first layers always read every page
     # stage 1: which prompts (growth zone) and dynamic sampling
     sampler: str = "growth"  # growth | uniform
     zone: tuple = (0.1, 0.9)  # pass-rate bounds of the growth zone
@@ -510,8 +515,8 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
         t0 = time.perf_counter()
         ro = engine.generate([pool_ids[i] for i, _ in batch], G, seed=cfg.seed * 100_003 + (step * 8 + t) * world + rank)
         rec["gen_s"] += time.perf_counter() - t0
-        for k in ("prefill_s", "decode_s", "new_tokens"):
-            rec[k] += ro.timings[k]
+        for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense"):
+            rec[k] = rec.get(k, 0) + ro.timings[k]
         res = cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts, group_size=G)
         results.append(res)
         r = torch.tensor(res.rewards, dtype=torch.float32).view(-1, G)
@@ -531,6 +536,7 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
         if min(n_kept) >= n_local:  # the decision to refill is global: every rank runs the same collectives
             break
     rew = torch.cat(rewards_all)
+    rec["kv_read"] = rec["pages_read"] / max(1, rec["pages_dense"])  # fraction of the KV pages decode read
     rec.update(reward=rew.mean().item(), groups_kept=sum(gather(len(kept), world)), groups=n_local * world,
                short=int(sum(n_kept) < n_local * world), len_mean=torch.cat(lens).mean().item(),
                zero_adv_groups=sum(gather(zero_adv, world)), rollouts=len(rew) * world,
@@ -635,6 +641,24 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
             "is_cut": mis["is_cut"] / local_tokens}
 
 
+def kv_budget(cfg):
+    """The rollout engine's KV budget from the config: False (dense) or a function of the cached page count."""
+    from sparsity import Schedule, fixed_budget, fraction_budget
+    kind, _, arg = cfg.kv_budget.partition(":")
+    try:
+        if kind == "dense":
+            return False
+        if kind == "fraction":
+            return fraction_budget(float(arg))
+        if kind == "fixed":
+            return fixed_budget(int(arg))
+        if kind == "table":
+            return Schedule([int(x) for x in arg.split(",")], cfg.kv_bin_pages)
+    except ValueError as e:
+        raise ValueError(f"config key 'kv_budget': {e}") from None
+    raise ValueError(f"config key 'kv_budget' must be dense, fraction:F, fixed:N or table:N1,N2,..., got {cfg.kv_budget!r}")
+
+
 def make_rollout(cfg, model):
     """The model that generates: the policy itself, or a bf16 / fp8 / N:M copy of it (sync.make_rollout_copy).
     With LoRA the copy is made from the merged weights, so the adapter is quantised or pruned with its layer."""
@@ -689,7 +713,7 @@ def fmt(rec):
     parts = [f"step {rec['step']:4d}",
              "signal " + g("zone", "zone {:.2f} ") + f"kept {rec['groups_kept']}/{rec['groups']} tries {rec['tries']}"
              + (" SHORT" if rec.get("short") else ""),
-             "rollout " + g("gen_s", "{:.2f}s ") + g("prefill_s", "(prefill {:.2f}s ") + g("decode_s", "decode {:.2f}s) ")
+             "rollout " + g("gen_s", "{:.2f}s ") + g("kv_read", "kv {:.2f} ") + g("prefill_s", "(prefill {:.2f}s ") + g("decode_s", "decode {:.2f}s) ")
              + g("len_mean", "len {:.1f}"),
              "reward " + g("reward", "{:.3f} ") + g("reach_verify", "verify {:.2f} ") + g("dedup_saved", "dedup {:.2f} ")
              + (g("errors", "errors {} ") if rec.get("errors") else "") + (g("timeouts", "timeouts {}") if rec.get("timeouts") else ""),
@@ -729,7 +753,8 @@ def main(argv):
     rollout_model = make_rollout(cfg, model)
     from sync import describe_copy
     log(f"rollout copy: {describe_copy(rollout_model)}")
-    engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop)
+    engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop,
+                    page_size=cfg.page_size, sparse=kv_budget(cfg), scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
     greedy = Engine(model, tok, cfg.max_new_tokens, 0.0, 1.0, stop)  # held-out accuracy is the policy's
     if cfg.kl_coef > 0:
         import copy

@@ -244,3 +244,16 @@ def test_lora_in_the_loop_trains_only_the_adapter_and_resumes(tmp_path, monkeypa
     monkeypatch.setattr(train, "rl_step", real_step)
     resumed = train.main(run + [f"--out_dir={tmp_path / 'b'}", "--save_every=2", "--resume=true"])["records"]
     assert full[2]["loss"] != 0.0 and resumed[2]["loss"] == pytest.approx(full[2]["loss"], abs=1e-6)
+
+
+def test_sparse_kv_budget_in_the_loop(tmp_path, monkeypatch):
+    from fake_reward import use_parity_reward
+    use_parity_reward(monkeypatch.setattr)
+    run = TINY_RUN + ["--steps=1", "--page_size=4", "--dense_layers=0", "--max_new_tokens=24", "--save_every=100"]
+    dense = train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=dense"])["records"][0]
+    sparse = train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=fixed:2"])["records"][0]
+    assert dense["kv_read"] == pytest.approx(1.0) and sparse["kv_read"] < 1.0
+    with pytest.raises(ValueError, match="kv_budget"):
+        train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=fraction:2"])
+    with pytest.raises(ValueError, match="kv_budget"):
+        train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=sometimes"])
