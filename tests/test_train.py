@@ -149,12 +149,8 @@ TINY_RUN = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--ffn=
             "--minibatches=2", "--micro_batch=4"]
 
 
-def test_resume_gives_the_same_next_loss(tmp_path, monkeypatch):
-    from fake_reward import use_parity_reward
-    use_parity_reward(monkeypatch.setattr)
-    full = train.main(TINY_RUN + [f"--out_dir={tmp_path / 'a'}", "--save_every=100"])["records"]
-    assert full[2]["loss"] != 0.0  # the comparison below means something
-
+def killed_at_2_then_resumed(monkeypatch, run):
+    """Run with a checkpoint every 2 steps, kill the run as step 2 starts, resume it: the resumed records."""
     real_step = train.rl_step
 
     def crash_at_2(cfg, step, *a, **k):
@@ -164,9 +160,18 @@ def test_resume_gives_the_same_next_loss(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train, "rl_step", crash_at_2)
     with pytest.raises(KeyboardInterrupt):
-        train.main(TINY_RUN + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
+        train.main(run)
     monkeypatch.setattr(train, "rl_step", real_step)
-    resumed = train.main(TINY_RUN + [f"--out_dir={tmp_path / 'b'}", "--save_every=2", "--resume=true"])["records"]
+    return train.main(run + ["--resume=true"])["records"]
+
+
+def test_resume_gives_the_same_next_loss(tmp_path, monkeypatch):
+    from fake_reward import use_parity_reward
+    use_parity_reward(monkeypatch.setattr)
+    full = train.main(TINY_RUN + [f"--out_dir={tmp_path / 'a'}", "--save_every=100"])["records"]
+    assert full[2]["loss"] != 0.0  # the comparison below means something
+
+    resumed = killed_at_2_then_resumed(monkeypatch, TINY_RUN + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert resumed[2]["loss"] == pytest.approx(full[2]["loss"], abs=1e-6)
     assert resumed[3]["loss"] == pytest.approx(full[3]["loss"], abs=1e-6)
@@ -231,18 +236,7 @@ def test_lora_in_the_loop_trains_only_the_adapter_and_resumes(tmp_path, monkeypa
     assert torch.equal(ws.model.embed_tokens.weight, ck.model.embed_tokens.weight)
     assert torch.equal(ws.model.norm.weight, ck.model.norm.weight)
 
-    real_step = train.rl_step
-
-    def crash_at_2(cfg, step, *a, **k):
-        if step == 2:
-            raise KeyboardInterrupt("killed")
-        return real_step(cfg, step, *a, **k)
-
-    monkeypatch.setattr(train, "rl_step", crash_at_2)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(run + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
-    monkeypatch.setattr(train, "rl_step", real_step)
-    resumed = train.main(run + [f"--out_dir={tmp_path / 'b'}", "--save_every=2", "--resume=true"])["records"]
+    resumed = killed_at_2_then_resumed(monkeypatch, run + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
     assert full[2]["loss"] != 0.0 and resumed[2]["loss"] == pytest.approx(full[2]["loss"], abs=1e-6)
 
 
