@@ -61,6 +61,8 @@ class Config:
     kv_bin_pages: int = 125  # table: bin width in pages (Sparrow: 2,000 tokens = 125 pages of 16)
     kv_scorer: str = "centroid"  # centroid | quest: how pages are scored for the sparse budget
     dense_layers: int = 2  # the first layers always read every page
+    kv_controller: bool = False  # table budgets: adjust the table online to hold p5 alpha per bin at kv_target
+    kv_target: float = 0.86  # Sparrow's threshold for the 5th percentile of alpha in each bin
     # stage 1: which prompts (growth zone) and dynamic sampling
     sampler: str = "growth"  # growth | uniform
     zone: tuple = (0.1, 0.9)  # pass-rate bounds of the growth zone

@@ -299,6 +299,8 @@ def save_atomic(path, write):
 
 def save_checkpoint(cfg, model, tok, opt, sampler, step, history):
     state = {"step": step, "opt": opt.state_dict(), "sampler": sampler.state_dict(), "history": history,
+             "schedule": cfg._schedule.state_dict() if hasattr(cfg, "_schedule") else None,
+             "controller": cfg._controller.state_dict() if getattr(cfg, "_controller", None) else None,
              "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
     from model import save_adapter
     save_atomic(os.path.join(cfg.out_dir, "ckpt"), lambda d: (model.save_pretrained(d), tok.save_pretrained(d),
@@ -322,6 +324,10 @@ def load_checkpoint(cfg, model, opt, sampler, dev):
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location=dev, weights_only=False)
     opt.load_state_dict(state["opt"])
     sampler.load_state_dict(state["sampler"])
+    if state.get("schedule") and hasattr(cfg, "_schedule"):  # the KV table as the controller left it
+        cfg._schedule.load_state_dict(state["schedule"])
+        if state.get("controller") and cfg._controller is not None:
+            cfg._controller.load_state_dict(state["controller"])
     torch.set_rng_state(state["torch_rng"].cpu())
     return state["step"], state["history"]
 
@@ -424,6 +430,8 @@ def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, wor
         roll = torch.zeros(0, 1, device=dev)
     out = train_on(cfg, model, opt, ids, tmask, adv, world, roll)
     stats += out.pop("stats")
+    if hasattr(cfg, "_schedule"):
+        observe_schedule(cfg, out.pop("_alpha", (torch.zeros(0), torch.zeros(0, dtype=torch.long))), rec, world)
     rec.update(out)
     if world > 1:
         torch.distributed.all_reduce(stats)
@@ -431,6 +439,21 @@ def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, wor
                clipfrac=(stats[2] / stats[1].clamp(min=1)).item(), skipped_nonfinite=int(stats[3]) // world,
                grad_norm=stats[4].item() / world, lr=opt.param_groups[0]["lr"], train_s=time.perf_counter() - t1)
     return rec
+
+
+def observe_schedule(cfg, alpha_pages, rec, world):
+    """Per-bin mean and p5 of alpha over every rank's tokens, into the record; the controller (if on) moves the
+    table toward the smallest budgets whose p5 holds the target. Every rank sees the same numbers and so keeps
+    the same table."""
+    from sparsity import bin_stats
+    a, pages = (torch.cat(x) for x in zip(*gather(alpha_pages, world)))
+    if a.numel() == 0:
+        return
+    st = bin_stats(a[None], torch.ones(1, a.numel(), dtype=torch.bool), pages[None], cfg.kv_bin_pages)
+    rec["alpha_bins"] = {"count": st["count"].tolist(), "mean": st["mean"].tolist(), "p5": st["p5"].tolist()}
+    if cfg._controller is not None:
+        rec["kv_moved"] = cfg._controller.observe(st["p5"], st["count"])
+    rec["kv_table"] = list(cfg._schedule.table)
 
 
 def allreduce_grads(model, world):
@@ -495,8 +518,14 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
             stats[4] += gn.item()
     stats[1] = tmask.sum() * cfg.passes
     local_tokens = max(1, int(tmask.sum()))
-    return {"stats": stats, "alpha_mean": mis["alpha_mean"], "alpha_p5": mis["alpha_p5"],
-            "is_cut": mis["is_cut"] / local_tokens}
+    out = {"stats": stats, "alpha_mean": mis["alpha_mean"], "alpha_p5": mis["alpha_p5"],
+           "is_cut": mis["is_cut"] / local_tokens}
+    if rollout_logp is not None and hasattr(cfg, "_schedule"):  # the tail statistic per bin of cached pages
+        from sparsity import alpha_sample
+        a = alpha_sample(old, rollout_logp)  # position t scores token t + 1: t + 1 tokens are cached
+        pages = (torch.arange(ids.shape[1], device=ids.device) + cfg.page_size) // cfg.page_size
+        out["_alpha"] = (a[tmask].cpu(), pages.expand_as(tmask)[tmask].cpu())
+    return out
 
 
 def kv_budget(cfg):
@@ -571,7 +600,7 @@ def fmt(rec):
     parts = [f"step {rec['step']:4d}",
              "signal " + g("zone", "zone {:.2f} ") + f"kept {rec['groups_kept']}/{rec['groups']} tries {rec['tries']}"
              + (" SHORT" if rec.get("short") else ""),
-             "rollout " + g("gen_s", "{:.2f}s ") + g("kv_read", "kv {:.2f} ") + g("prefill_s", "(prefill {:.2f}s ") + g("decode_s", "decode {:.2f}s) ")
+             "rollout " + g("gen_s", "{:.2f}s ") + g("kv_read", "kv {:.2f} ") + g("kv_table", "table {} ") + g("prefill_s", "(prefill {:.2f}s ") + g("decode_s", "decode {:.2f}s) ")
              + g("len_mean", "len {:.1f}"),
              "reward " + g("reward", "{:.3f} ") + g("reach_verify", "verify {:.2f} ") + g("dedup_saved", "dedup {:.2f} ")
              + (g("errors", "errors {} ") if rec.get("errors") else "") + (g("timeouts", "timeouts {}") if rec.get("timeouts") else ""),
@@ -611,8 +640,15 @@ def main(argv):
     rollout_model = make_rollout(cfg, model)
     from sync import describe_copy
     log(f"rollout copy: {describe_copy(rollout_model)}")
+    budget = kv_budget(cfg)
     engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop,
-                    page_size=cfg.page_size, sparse=kv_budget(cfg), scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
+                    page_size=cfg.page_size, sparse=budget, scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
+    from sparsity import Controller, Schedule
+    if isinstance(budget, Schedule):  # the engine reads this object, so the controller's edits apply next step
+        cfg._schedule = budget
+        cfg._controller = Controller(budget, target=cfg.kv_target) if cfg.kv_controller else None
+    elif cfg.kv_controller:
+        raise ValueError("config key 'kv_controller' needs a table budget (kv_budget=table:N1,N2,...)")
     greedy = Engine(model, tok, cfg.max_new_tokens, 0.0, 1.0, stop)  # held-out accuracy is the policy's
     if cfg.kl_coef > 0:
         import copy

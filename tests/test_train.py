@@ -251,3 +251,18 @@ def test_sparse_kv_budget_in_the_loop(tmp_path, monkeypatch):
         train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=fraction:2"])
     with pytest.raises(ValueError, match="kv_budget"):
         train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=sometimes"])
+
+
+def test_kv_controller_raises_a_table_that_misses_the_target(tmp_path, monkeypatch):
+    from fake_reward import use_parity_reward
+    use_parity_reward(monkeypatch.setattr)
+    run = TINY_RUN + ["--steps=3", "--page_size=2", "--dense_layers=0", "--max_new_tokens=24", "--save_every=100",
+                      "--kv_budget=table:1,1", "--kv_bin_pages=4", "--kv_controller=true", "--kv_target=0.999",
+                      "--is_correction=none", f"--out_dir={tmp_path}"]
+    recs = train.main(run)["records"]
+    assert all("alpha_bins" in r and r["kv_table"] for r in recs)
+    assert any(min(p for p in r["alpha_bins"]["p5"] if p == p) < 0.999 for r in recs)  # one page misses the target
+    first, last = recs[0]["kv_table"], recs[-1]["kv_table"]
+    assert sum(last) > sum(first) >= 2  # and the controller raised the budgets of the bins that missed it
+    with pytest.raises(ValueError, match="kv_controller"):
+        train.main(TINY_RUN + ["--kv_controller=true", f"--out_dir={tmp_path}"])
