@@ -101,6 +101,11 @@ class Config:
     eval_every: int = 25
     save_every: int = 25
     plot: bool = True
+    # disaggregated mode under torchrun: the last `rollout_ranks` ranks only generate, the others only train
+    rollout_ranks: int = 0
+    max_staleness: int = 1  # 0: rollouts wait for the newest weights; 1: they may be one version behind (TIS)
+
+    _group = None  # not a config key: the process group of this rank's role (None: every rank), set by train.py
 
 
 # ----------------------------------------------------------------------------- config parsing

@@ -346,7 +346,7 @@ def evaluate(cfg, engine, cascade, problems, ids, rank, world):
         correct += sum(cascade.score_batch([problems[i] for i in chunk], ro.texts, group_size=1).rewards)
     if world > 1:
         t = torch.tensor([correct], dtype=torch.float64, device=engine.model.lm_head.weight.device)
-        torch.distributed.all_reduce(t)
+        torch.distributed.all_reduce(t, group=cfg._group)
         correct = t.item()
     return correct / len(problems)
 
@@ -354,12 +354,12 @@ def evaluate(cfg, engine, cascade, problems, ids, rank, world):
 # ----------------------------------------------------------------------------- one RL step
 
 
-def gather(obj, world):
-    """Every rank's `obj`, in rank order (a list of one on a single process)."""
+def gather(obj, world, group=None):
+    """Every rank's `obj` (of `group`, by default all), in rank order (a list of one on a single process)."""
     if world == 1:
         return [obj]
     out = [None] * world
-    torch.distributed.all_gather_object(out, obj)
+    torch.distributed.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -387,7 +387,7 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
         rewards_all.append(r.flatten())
         lens.append(ro.mask.sum(1).float())
         finish_length += sum(f == "length" for f in ro.finish)
-        everyone = gather(([i for i, _ in batch], r.tolist()), world)
+        everyone = gather(([i for i, _ in batch], r.tolist()), world, cfg._group)
         sampler.observe([i for idx, _ in everyone for i in idx], [g for _, rs in everyone for g in rs])
         for g in range(len(batch)):
             signal = group_has_signal(r[g].tolist(), cfg.min_spread)
@@ -396,30 +396,37 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
                 rows = slice(g * G, (g + 1) * G)
                 kept.append((batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows]))
         rec["tries"] = t + 1
-        n_kept = gather(len(kept), world)
+        n_kept = gather(len(kept), world, cfg._group)
         if min(n_kept) >= n_local:  # the decision to refill is global: every rank runs the same collectives
             break
     rew = torch.cat(rewards_all)
     rec["kv_read"] = rec["pages_read"] / max(1, rec["pages_dense"])  # fraction of the KV pages decode read
-    rec.update(reward=rew.mean().item(), groups_kept=sum(gather(len(kept), world)), groups=n_local * world,
+    rec.update(reward=rew.mean().item(), groups_kept=sum(gather(len(kept), world, cfg._group)), groups=n_local * world,
                short=int(sum(n_kept) < n_local * world), len_mean=torch.cat(lens).mean().item(),
-               zero_adv_groups=sum(gather(zero_adv, world)), rollouts=len(rew) * world,
+               zero_adv_groups=sum(gather(zero_adv, world, cfg._group)), rollouts=len(rew) * world,
                finish_length=finish_length / len(rew), zone=sum(zone) / len(zone), **combine(results).summary())
     return kept, rec
 
 
 def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, world, log):
     """Rollouts, rewards, advantages, and the update of one step. Returns the step's metrics record."""
-    dev = model.lm_head.weight.device
     t0 = time.perf_counter()
     kept, rec = collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world)
-    t1 = time.perf_counter()
-    rec["step"], rec["collect_s"] = step, t1 - t0
+    rec["step"], rec["collect_s"] = step, time.perf_counter() - t0
+    rec.update(learn(cfg, model, opt, kept, pool_ids, engine.pad_id, world))
+    return rec
+
+
+def learn(cfg, model, opt, kept, pool_ids, pad_id, world):
+    """Stage 4 on the kept groups (prompt index, tokens, mask, rewards, rollout log-probs): advantages, the
+    passes of train_on, and the figures for the log. Every rank of cfg._group calls it, kept groups or not."""
+    dev = model.lm_head.weight.device
+    t1, rec = time.perf_counter(), {}
     stats = torch.zeros(5, device=dev, dtype=torch.float64)  # loss sum, tokens, clipped, skipped, grad norm
     if kept:
         p_ids = [pool_ids[i] for i, *_ in kept for _ in range(cfg.group_size)]
         ids, tmask = build_batch(p_ids, [row for k in kept for row in k[1]], [row for k in kept for row in k[2]],
-                                 engine.pad_id)  # groups from different refill tries have different lengths
+                                 pad_id)  # groups from different refill tries have different lengths
         adv = torch.cat([group_advantages(k[3], cfg.group_size, cfg.adv_eps)[0] for k in kept])
         roll = torch.zeros(tmask.shape)  # the rollout policy's log-probs, at the trainer's target positions
         roll[tmask] = torch.cat([lp[m] for k in kept for lp, m in zip(k[4], k[2])])
@@ -434,7 +441,7 @@ def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, wor
         observe_schedule(cfg, out.pop("_alpha", (torch.zeros(0), torch.zeros(0, dtype=torch.long))), rec, world)
     rec.update(out)
     if world > 1:
-        torch.distributed.all_reduce(stats)
+        torch.distributed.all_reduce(stats, group=cfg._group)
     rec.update(loss=(stats[0] / stats[1].clamp(min=1)).item(), tokens=int(stats[1]),
                clipfrac=(stats[2] / stats[1].clamp(min=1)).item(), skipped_nonfinite=int(stats[3]) // world,
                grad_norm=stats[4].item() / world, lr=opt.param_groups[0]["lr"], train_s=time.perf_counter() - t1)
@@ -446,7 +453,7 @@ def observe_schedule(cfg, alpha_pages, rec, world):
     table toward the smallest budgets whose p5 holds the target. Every rank sees the same numbers and so keeps
     the same table."""
     from sparsity import bin_stats
-    a, pages = (torch.cat(x) for x in zip(*gather(alpha_pages, world)))
+    a, pages = (torch.cat(x) for x in zip(*gather(alpha_pages, world, cfg._group)))
     if a.numel() == 0:
         return
     st = bin_stats(a[None], torch.ones(1, a.numel(), dtype=torch.bool), pages[None], cfg.kv_bin_pages)
@@ -456,7 +463,7 @@ def observe_schedule(cfg, alpha_pages, rec, world):
     rec["kv_table"] = list(cfg._schedule.table)
 
 
-def allreduce_grads(model, world):
+def allreduce_grads(model, world, group=None):
     """Sum gradients over ranks (data parallelism by hand). DDP's hooks would need every rank to run the same
     number of backward passes; with dynamic sampling the ranks keep different numbers of groups, so instead
     every rank runs its own micro-batches and joins exactly one all-reduce per optimizer step."""
@@ -465,7 +472,7 @@ def allreduce_grads(model, world):
     params = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter only
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.flatten() for g in grads])
-    torch.distributed.all_reduce(flat)
+    torch.distributed.all_reduce(flat, group=group)
     for p, g in zip(params, flat.split([g.numel() for g in grads])):
         p.grad = g.view_as(p)
 
@@ -478,7 +485,7 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
     stats = torch.zeros(5, device=ids.device, dtype=torch.float64)
     ntok = tmask.sum().double()
     if world > 1:
-        torch.distributed.all_reduce(ntok)
+        torch.distributed.all_reduce(ntok, group=cfg._group)
     if ntok.item() == 0:  # no rank kept a group: nothing to update (decided globally)
         return {"stats": stats}
     packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda and model_flash_ok())
@@ -505,11 +512,11 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
                 (loss / mb_tokens).backward()
                 stats[0] += loss.item()
                 stats[2] += s["clipped"]
-            allreduce_grads(model, world)
+            allreduce_grads(model, world, cfg._group)
             gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
             bad = torch.tensor([0.0 if torch.isfinite(gn) else 1.0], device=ids.device)
             if world > 1:
-                torch.distributed.all_reduce(bad)
+                torch.distributed.all_reduce(bad, group=cfg._group)
             if bad.item() > 0:  # NaN/inf anywhere: skip the optimizer step on every rank, weights untouched
                 opt.zero_grad(set_to_none=True)
                 stats[3] += 1
@@ -620,6 +627,7 @@ def main(argv):
     cfg = parse_config(argv)
     rank, world, dev = setup_dist(cfg)
     cfg._rank, cfg._world = rank, world
+    roles = split_roles(cfg, rank, world)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     log = (lambda s: tqdm.write(s)) if rank == 0 else (lambda s: None)
@@ -669,13 +677,107 @@ def main(argv):
     amp = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.autocast == "bfloat16")
     cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify, judge=load_judge(cfg.judge))
     try:  # the cascade holds worker processes: close them however the run ends
-        history = run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, amp,
-                      (train_ids, eval_p, eval_ids), rank, world, dev, log)
+        if roles:
+            history = run_split(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, amp,
+                                (train_ids, eval_p, eval_ids), roles, log)
+        else:
+            history = run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, amp,
+                          (train_ids, eval_p, eval_ids), rank, world, dev, log)
     finally:
         cascade.close()
     if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    return history
+
+
+def split_roles(cfg, rank, world):
+    """Disaggregated mode: (is_rollout, trainer ranks, rollout ranks), with cfg._group set to this rank's role
+    group; None when colocated (every rank generates and trains)."""
+    if cfg.rollout_ranks == 0:
+        return None
+    if not 0 < cfg.rollout_ranks < world:
+        raise ValueError(f"config key 'rollout_ranks' must leave at least one trainer: {cfg.rollout_ranks} of "
+                         f"{world} ranks (run under torchrun with more processes)")
+    if cfg.max_staleness not in (0, 1) or cfg.resume or cfg.lora_r or cfg.kv_controller:
+        raise ValueError("disaggregated mode (rollout_ranks > 0) supports max_staleness 0 or 1, and not yet "
+                         "resume, lora_r or kv_controller")
+    trainers, rollouts = list(range(world - cfg.rollout_ranks)), list(range(world - cfg.rollout_ranks, world))
+    groups = [torch.distributed.new_group(trainers), torch.distributed.new_group(rollouts)]  # every rank, in order
+    is_rollout = rank in rollouts
+    cfg._group = groups[is_rollout]
+    return is_rollout, trainers, rollouts
+
+
+def run_split(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, amp, data, roles, log):
+    """Disaggregated: rollout ranks run stages 1-3 and broadcast the kept groups; trainer ranks run stage 4 on
+    them and trainer 0 ships weight deltas (stage 5, sync.py) that the rollout ranks apply and check. With
+    max_staleness 1 a rollout rank generates batch s with the weights after step s - 2 while the trainers work on
+    batch s - 1 (overlap; TIS corrects the staleness); with 0 it waits for the weights after step s - 1."""
+    from tqdm import tqdm
+    from model import weight_checksum
+    from sync import Receiver, Sender, broadcast_update
+    dist = torch.distributed
+    is_rollout, trainers, rollouts = roles
+    rank = dist.get_rank()
+    me, n = (rollouts.index(rank), len(rollouts)) if is_rollout else (trainers.index(rank), len(trainers))
+    train_ids, eval_p, eval_ids = data
+    sender = Sender(model, mode="delta", synced=True) if rank == trainers[0] else None
+    receiver = Receiver(model) if is_rollout else None
+    history = {"records": [], "acc0": None}
+    if not is_rollout:
+        with amp:
+            history["acc0"] = evaluate(cfg, greedy, cascade, eval_p, eval_ids, me, n)
+        log(f"held-out accuracy before RL: {history['acc0']:.3f}; {len(trainers)} trainer and "
+            f"{len(rollouts)} rollout ranks, max staleness {cfg.max_staleness}")
+
+    def ship(version, rec):  # every rank: trainer 0 sends what changed, the rollout ranks apply and verify it
+        upd = broadcast_update(sender.make_update(version=version) if sender else None, trainers[0])
+        if receiver:
+            receiver.apply(upd)
+            refresh_rollout(cfg, rollout_model, model)
+        if sender:
+            st = sender.stats()
+            rec.update(sync_bytes=st["bytes"], sync_ratio=st["ratio"])
+
+    t_start, metrics = time.perf_counter(), os.path.join(cfg.out_dir, "metrics.jsonl")
+    if rank == 0:
+        open(metrics, "w").close()
+    for step in tqdm(range(cfg.steps), desc="rl", disable=rank != 0, dynamic_ncols=True):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        rec = {"step": step}
+        with amp:
+            payload = collect(cfg, step, engine, cascade, sampler, train_ids, me, n) if is_rollout else None
+        parts = []
+        for src in rollouts:  # each rollout rank broadcasts its kept groups
+            obj = [payload if rank == src else None]
+            dist.broadcast_object_list(obj, src=src)
+            parts.append(obj[0])
+        if cfg.max_staleness == 1 and step >= 1:
+            ship(step, rec)  # the weights after step - 1, while the trainers work on this batch
+        if not is_rollout:
+            rec.update(parts[0][1], step=step)  # collect's figures are already summed over the rollout ranks
+            kept = [k for kk, _ in parts for k in kk][me::n]  # the rollout ranks' groups, dealt to the trainers
+            with amp:
+                rec.update(learn(cfg, model, opt, kept, train_ids, engine.pad_id, n))
+                if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+                    rec["acc"] = evaluate(cfg, greedy, cascade, eval_p, eval_ids, me, n)
+        if cfg.max_staleness == 0 or step == cfg.steps - 1:
+            ship(step + 1, rec)  # stale 0: every step; stale 1: once more at the end, so all ranks agree
+        if rank == 0:
+            history["records"].append(rec)
+            log(fmt(rec) + (f" | sync {rec['sync_bytes'] / 1e3:.1f} kB ({rec['sync_ratio']:.3f} of full)"
+                            if "sync_bytes" in rec else ""))
+            with open(metrics, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
+                save_checkpoint(cfg, model, tok, opt, sampler, step + 1, history)
+    sums = gather(weight_checksum(model), dist.get_world_size())
+    history["checksums"] = sums
+    log(f"weight checksum per rank: {' '.join(sums)}" + (" (identical)" if len(set(sums)) == 1 else " (DIFFERENT)"))
+    if rank == 0:
+        summarize(cfg, history, time.perf_counter() - t_start, log)
     return history
 
 

@@ -266,3 +266,20 @@ def test_kv_controller_raises_a_table_that_misses_the_target(tmp_path, monkeypat
     assert sum(last) > sum(first) >= 2  # and the controller raised the budgets of the bins that missed it
     with pytest.raises(ValueError, match="kv_controller"):
         train.main(TINY_RUN + ["--kv_controller=true", f"--out_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("nproc,stale", [(2, 1), (3, 0)])
+def test_torchrun_disaggregated_rollout_ranks_end_on_the_trainers_weights(tmp_path, nproc, stale):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={29600 + nproc}",
+           "tests/fake_reward.py", *TINY_RUN, "--steps=3", "--threads=1", "--rollout_ranks=1",
+           f"--max_staleness={stale}", f"--out_dir={tmp_path}"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("weight checksum per rank")][0]
+    sums = line.split(":")[1].split("(")[0].split()
+    assert len(sums) == nproc and len(set(sums)) == 1  # every rollout rank holds exactly the trainers' weights
+    recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["tokens"] > 0 for r in recs)  # the trainers trained
+    shipped = [r["sync_bytes"] for r in recs if "sync_bytes" in r]
+    assert shipped and all(0 < b for b in shipped) and all(r["sync_ratio"] <= 1.0 for r in recs if "sync_ratio" in r)
