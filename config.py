@@ -101,11 +101,13 @@ class Config:
     eval_every: int = 25
     save_every: int = 25
     plot: bool = True
+    fsdp: bool = False  # shard weights, gradients and optimizer state (FSDP2 fully_shard); rollouts use a full replica
     # disaggregated mode under torchrun: the last `rollout_ranks` ranks only generate, the others only train
     rollout_ranks: int = 0
     max_staleness: int = 1  # 0: rollouts wait for the newest weights; 1: they may be one version behind (TIS)
 
-    _group = None  # not a config key: the process group of this rank's role (None: every rank), set by train.py
+    _group = None  # not config keys, set by train.py: the process group of this rank's role (None: every rank),
+    _replica = None  # and under FSDP the full-weight replica that the engines read
 
 
 # ----------------------------------------------------------------------------- config parsing

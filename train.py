@@ -298,7 +298,9 @@ def save_atomic(path, write):
 
 
 def save_checkpoint(cfg, model, tok, opt, sampler, step, history):
-    state = {"step": step, "opt": opt.state_dict(), "sampler": sampler.state_dict(), "history": history,
+    # under FSDP the optimizer state is sharded, and resume is not supported yet: it is not saved
+    state = {"step": step, "opt": None if cfg.fsdp else opt.state_dict(), "sampler": sampler.state_dict(),
+             "history": history,
              "schedule": cfg._schedule.state_dict() if hasattr(cfg, "_schedule") else None,
              "controller": cfg._controller.state_dict() if getattr(cfg, "_controller", None) else None,
              "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
@@ -491,9 +493,20 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
     packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda and model_flash_ok())
     N, mbs = ids.shape[0], cfg.micro_batch
 
+    def chunks(rows):
+        """Micro-batches of rows. Under FSDP every rank must run as many forwards as the others (each one
+        all-gathers weights), so the short ranks get empty micro-batches."""
+        parts = list(rows.split(mbs)) if len(rows) else []
+        if cfg.fsdp:
+            n = torch.tensor([len(parts)], device=ids.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+            parts += [rows[:0]] * (int(n) - len(parts))
+        return parts
+
     def logprobs_of(m, rows):
-        return torch.cat([token_logprobs(m, ids[r], tmask[r], cfg.temperature, packed) for r in rows.split(mbs)]) \
-            if len(rows) else torch.zeros(0, ids.shape[1], device=ids.device)
+        parts = chunks(rows) if m is model else list(rows.split(mbs))
+        return torch.cat([token_logprobs(m, ids[r], tmask[r], cfg.temperature, packed) for r in parts]) \
+            if parts else torch.zeros(0, ids.shape[1], device=ids.device)
 
     with torch.no_grad():  # logp_old: the policy before this batch's first update
         old = logprobs_of(model, torch.arange(N))
@@ -505,15 +518,17 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
     for _ in range(cfg.passes):
         for k in range(cfg.minibatches):
             opt.zero_grad(set_to_none=True)
-            for micro in torch.arange(k, N, cfg.minibatches).split(mbs):  # may be empty on this rank
+            for micro in chunks(torch.arange(k, N, cfg.minibatches)):  # may be none, or empty, on this rank
                 lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed)
                 loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low, cfg.clip_high,
                                   None if ref is None else ref[micro], cfg.kl_coef, is_w[micro])
-                (loss / mb_tokens).backward()
+                (loss * (world if cfg.fsdp else 1) / mb_tokens).backward()  # FSDP averages over ranks: undo it
                 stats[0] += loss.item()
                 stats[2] += s["clipped"]
-            allreduce_grads(model, world, cfg._group)
+            if not cfg.fsdp:  # FSDP reduce-scatters the gradients itself
+                allreduce_grads(model, world, cfg._group)
             gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+            gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # a DTensor under FSDP
             bad = torch.tensor([0.0 if torch.isfinite(gn) else 1.0], device=ids.device)
             if world > 1:
                 torch.distributed.all_reduce(bad, group=cfg._group)
@@ -645,7 +660,15 @@ def main(argv):
     if cfg.lora_r:
         from model import add_lora
         add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
-    rollout_model = make_rollout(cfg, model)
+    if world > 1:  # the ranks start from the same weights (the adapter's random init included)
+        for p in model.parameters():
+            torch.distributed.broadcast(p.data, 0)
+    if cfg.kl_coef > 0:
+        import copy
+        cfg._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    cfg._replica = shard(cfg, model, dev) if cfg.fsdp else None
+    full = cfg._replica or model  # full weights: what the engines read
+    rollout_model = make_rollout(cfg, full)
     from sync import describe_copy
     log(f"rollout copy: {describe_copy(rollout_model)}")
     budget = kv_budget(cfg)
@@ -657,13 +680,7 @@ def main(argv):
         cfg._controller = Controller(budget, target=cfg.kv_target) if cfg.kv_controller else None
     elif cfg.kv_controller:
         raise ValueError("config key 'kv_controller' needs a table budget (kv_budget=table:N1,N2,...)")
-    greedy = Engine(model, tok, cfg.max_new_tokens, 0.0, 1.0, stop)  # held-out accuracy is the policy's
-    if cfg.kl_coef > 0:
-        import copy
-        cfg._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    if world > 1:  # the ranks start from the same weights (the warm start is seeded; checkpoints are shared)
-        for p in model.parameters():
-            torch.distributed.broadcast(p.data, 0)
+    greedy = Engine(full, tok, cfg.max_new_tokens, 0.0, 1.0, stop)  # held-out accuracy is the policy's
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     if cfg.sampler == "growth":
@@ -689,6 +706,36 @@ def main(argv):
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return history
+
+
+def shard(cfg, model, dev):
+    """FSDP2: shard every block and the root over all ranks, in place. Returns a full, unsharded replica for the
+    rollout and evaluation engines: generation runs a different number of forwards on each rank, which sharded
+    weights (an all-gather per forward) cannot. `pull_full` refreshes it after every update."""
+    import copy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    if cfg.lora_r or cfg.resume or cfg.rollout_ranks:
+        raise ValueError("config key 'fsdp' does not combine with lora_r, resume or rollout_ranks yet")
+    replica = copy.deepcopy(model).requires_grad_(False)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world == 1:
+        raise ValueError("config key 'fsdp' needs torchrun with at least 2 processes")
+    mesh = init_device_mesh(dev.type, (world,))
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return replica
+
+
+@torch.no_grad()
+def pull_full(cfg, model):
+    """FSDP: all-gather the sharded weights into the full replica (the same collectives on every rank)."""
+    if cfg._replica is None:
+        return
+    dst = cfg._replica.state_dict()
+    for k, v in model.state_dict().items():
+        dst[k].copy_(v.full_tensor())
 
 
 def split_roles(cfg, rank, world):
@@ -796,7 +843,7 @@ def run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, a
     log(f"policy: {model.num_params() / 1e6:.2f}M parameters on {dev} ({cfg.dtype}), world size {world}; "
         f"{len(train_ids)} training prompts")
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    refresh_rollout(cfg, rollout_model, model)
+    refresh_rollout(cfg, rollout_model, cfg._replica or model)
     if rank == 0:  # rewrite the log up to the resume point, so a resumed run does not repeat steps
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history["records"])
@@ -807,7 +854,8 @@ def run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, a
             g["lr"] = lr_at(cfg, step)
         with amp:
             rec = rl_step(cfg, step, model, engine, cascade, opt, sampler, train_ids, rank, world, log)
-            refresh_rollout(cfg, rollout_model, model)  # stage 5, colocated: the copy follows the policy
+            pull_full(cfg, model)
+            refresh_rollout(cfg, rollout_model, cfg._replica or model)  # stage 5, colocated: the copy follows
             last = step == cfg.steps - 1
             if (step + 1) % cfg.eval_every == 0 or last:
                 rec["acc"] = evaluate(cfg, greedy, cascade, eval_p, eval_ids, rank, world)
@@ -817,12 +865,9 @@ def run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, a
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         if rank == 0 and ((step + 1) % cfg.save_every == 0 or last):
-            save_checkpoint(cfg, model, tok, opt, sampler, step + 1, history)
+            save_checkpoint(cfg, cfg._replica or model, tok, opt, sampler, step + 1, history)
     from model import weight_checksum
-    sums = [weight_checksum(model)]
-    if world > 1:  # data parallelism keeps the replicas identical; check it instead of trusting it
-        sums = [None] * world
-        torch.distributed.all_gather_object(sums, weight_checksum(model))
+    sums = gather(weight_checksum(cfg._replica or model), world)  # the ranks must agree: check, do not trust
     history["checksums"] = sums
     log(f"weight checksum per rank: {' '.join(sums)}" + (" (identical)" if len(set(sums)) == 1 else " (DIFFERENT)"))
     if rank == 0:

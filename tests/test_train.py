@@ -283,3 +283,19 @@ def test_torchrun_disaggregated_rollout_ranks_end_on_the_trainers_weights(tmp_pa
     assert any(r["tokens"] > 0 for r in recs)  # the trainers trained
     shipped = [r["sync_bytes"] for r in recs if "sync_bytes" in r]
     assert shipped and all(0 < b for b in shipped) and all(r["sync_ratio"] <= 1.0 for r in recs if "sync_ratio" in r)
+
+
+def test_torchrun_fsdp2_matches_plain_data_parallel(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    recs = {}
+    for name, extra, port in (("dp", [], 29711), ("fsdp", ["--fsdp=true"], 29712)):
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+               "tests/fake_reward.py", *TINY_RUN, "--steps=2", "--threads=1", f"--out_dir={out}", *extra]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "(identical)" in r.stdout + r.stderr
+        recs[name] = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert recs["fsdp"][0]["tokens"] > 0
+    for a, b in zip(recs["dp"], recs["fsdp"]):  # the same data and the same update, sharded or not
+        assert a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], abs=1e-5)
