@@ -13,20 +13,23 @@ One step (see DESIGN.md), in `collect` and `rl_step`:
                groups whose rewards are all equal carry no gradient: they are dropped and the batch is refilled
                with fresh prompts, up to `refill_tries` times; then it is trained short, never padded (DAPO)
     4 update   group advantages -> dense log-probs -> clipped policy-gradient loss -> AdamW
-    5 sync     colocated: the next step's rollouts use the new weights directly (sync.py ships deltas elsewhere)
+    5 sync     colocated: the rollout copy is refreshed in place; with rollout_ranks > 0 (torchrun), trainer 0
+               broadcasts checked weight deltas (sync.py) to ranks that only generate (`run_split`)
 The log has one line per step with each stage's figures, plus a tqdm bar; metrics.jsonl has every number.
 
 The loss, per sampled token t of completion i in group g:
     A_i      = (r_i - mean_g r) / (std_g r + eps)                    group-normalised advantage
     ratio_t  = exp(logp_t - logp_old_t)
     loss_t   = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i)   clip-higher (DAPO)
+               times w_t = min(p_old / p_rollout, is_cap) (TIS, the default; or MIS, or none)
              + kl_coef * KL_t(policy || reference)                    optional, off by default (k3 estimator)
     loss     = sum_t loss_t / (number of sampled tokens in the batch)        token-level aggregation
 
 Simplifications:
-    1. Colocated: the policy and the rollout engine are the same module in the same process.
+    1. Colocated by default: the policy and the rollout engine share a process (and, with rollout_copy=same,
+       the module). `fsdp=true` shards training and keeps a full replica for the engines.
     2. logp_old is the trainer's own log-prob before the first optimizer pass, so ratio = 1 at the first
-       minibatch of the first pass; the rollout engine's log-probs are kept for the mismatch statistics.
+       minibatch of the first pass; the rollout engine's log-probs drive the IS weights and the alpha statistics.
     3. The embedded default builds its own warm start (an SFT pass on the synthetic task's traces) and
        caches it under the output folder; real models start from their checkpoint.
     4. A NaN or inf loss or gradient skips the optimizer step on every rank; the step is logged as skipped.
