@@ -106,17 +106,7 @@ def test_controller_respects_the_bounds():
 # ----------------------------------------------------------------------------- calibration through the engine
 
 
-class CharTok:
-    pad_token_id, eos_token_id = 0, 1
-
-    def batch_decode(self, rows, skip_special_tokens=True):
-        return ["".join(chr(96 + t) for t in r if t >= 2) for r in rows]
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return Transformer(ModelConfig(vocab_size=30, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8, intermediate_size=64)).eval()
+from test_rollout import CharTok, tiny_model  # noqa: E402  (the same tiny model and tokenizer stub)
 
 
 def test_schedule_drives_the_engine_and_calibrate_engine_runs():
