@@ -106,8 +106,12 @@ class Config:
     rollout_ranks: int = 0
     max_staleness: int = 1  # 0: rollouts wait for the newest weights; 1: they may be one version behind (TIS)
 
-    _group = None  # not config keys, set by train.py: the process group of this rank's role (None: every rank),
-    _replica = None  # and under FSDP the full-weight replica that the engines read
+    # not config keys: run state that train.py attaches to the config it was given
+    _rank, _world = 0, 1
+    _group = None  # the process group of this rank's role (None: every rank)
+    _replica = None  # FSDP: the full-weight replica that the engines read
+    _ref_model = None  # kl_coef > 0: the frozen reference policy
+    _schedule = _controller = None  # table KV budgets: the engine's Schedule, and its Controller when on
 
 
 # ----------------------------------------------------------------------------- config parsing

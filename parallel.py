@@ -34,10 +34,10 @@ def shard(cfg, model, dev):
     from torch.distributed.fsdp import fully_shard
     if cfg.lora_r or cfg.resume or cfg.rollout_ranks:
         raise ValueError("config key 'fsdp' does not combine with lora_r, resume or rollout_ranks yet")
-    replica = copy.deepcopy(model).requires_grad_(False)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if world == 1:
         raise ValueError("config key 'fsdp' needs torchrun with at least 2 processes")
+    replica = copy.deepcopy(model).requires_grad_(False)
     mesh = init_device_mesh(dev.type, (world,))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
@@ -80,7 +80,6 @@ def run_split(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, samp
     batch s - 1 (overlap; TIS corrects the staleness); with 0 it waits for the weights after step s - 1."""
     from tqdm import tqdm
     import train as T  # the loop's stages; imported here because train.py imports this file
-    from model import weight_checksum
     from sync import Receiver, Sender, broadcast_update
     dist = torch.distributed
     is_rollout, trainers, rollouts = roles
@@ -138,9 +137,7 @@ def run_split(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, samp
                 f.write(json.dumps(rec) + "\n")
             if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
                 T.save_checkpoint(cfg, model, tok, opt, sampler, step + 1, history)
-    sums = T.gather(weight_checksum(model), dist.get_world_size())
-    history["checksums"] = sums
-    log(f"weight checksum per rank: {' '.join(sums)}" + (" (identical)" if len(set(sums)) == 1 else " (DIFFERENT)"))
+    history["checksums"] = T.check_ranks_agree(model, dist.get_world_size(), log)
     if rank == 0:
         T.summarize(cfg, history, time.perf_counter() - t_start, log)
     return history

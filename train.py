@@ -75,9 +75,10 @@ def is_weights(old_logp, rollout_logp, mask, mode, cap=2.0, lo=0.5, hi=2.0):
     "mis": ratio where lo <= ratio <= hi, else 0 (the token is dropped); "none": 1. Returns weights (N, T),
     detached, and stats: the fraction truncated or masked, and the per-sample acceptance rate
     alpha = min(1, ratio) (mean and 5th percentile), the mismatch statistic of Sparrow."""
+    from sparsity import alpha_sample
     ratio = torch.exp((old_logp - rollout_logp).clamp(max=20.0)) * mask
     m = mask.bool()
-    alpha = ratio[m].clamp(max=1.0)
+    alpha = alpha_sample(old_logp, rollout_logp)[m]
     stats = {"alpha_mean": alpha.mean().item() if m.any() else 1.0,
              "alpha_p5": alpha.quantile(0.05).item() if m.any() else 1.0}
     if mode == "tis":
@@ -139,8 +140,7 @@ def token_logprobs(model, ids, tmask, temperature=1.0, packed=False):
     else:
         h = model(ids, hidden=True)  # (B, T, C)
         h_sel, tgt = h[tmask], targets[tmask]
-    lm = model.module.lm_head if hasattr(model, "module") else model.lm_head
-    logits = lm(h_sel).float() / temperature  # only the scored positions are projected onto the vocabulary
+    logits = model.lm_head(h_sel).float() / temperature  # only the scored positions are projected onto the vocabulary
     lp = logits.log_softmax(-1).gather(-1, tgt[:, None])[:, 0]
     out = torch.zeros(B, T, device=ids.device, dtype=lp.dtype)
     out[tmask] = lp
@@ -305,8 +305,8 @@ def save_checkpoint(cfg, model, tok, opt, sampler, step, history):
     # under FSDP the optimizer state is sharded, and resume is not supported yet: it is not saved
     state = {"step": step, "opt": None if cfg.fsdp else opt.state_dict(), "sampler": sampler.state_dict(),
              "history": history,
-             "schedule": cfg._schedule.state_dict() if hasattr(cfg, "_schedule") else None,
-             "controller": cfg._controller.state_dict() if getattr(cfg, "_controller", None) else None,
+             "schedule": cfg._schedule.state_dict() if cfg._schedule is not None else None,
+             "controller": cfg._controller.state_dict() if cfg._controller is not None else None,
              "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
     from model import save_adapter
     save_atomic(os.path.join(cfg.out_dir, "ckpt"), lambda d: (model.save_pretrained(d), tok.save_pretrained(d),
@@ -330,7 +330,7 @@ def load_checkpoint(cfg, model, opt, sampler, dev):
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location=dev, weights_only=False)
     opt.load_state_dict(state["opt"])
     sampler.load_state_dict(state["sampler"])
-    if state.get("schedule") and hasattr(cfg, "_schedule"):  # the KV table as the controller left it
+    if state.get("schedule") and cfg._schedule is not None:  # the KV table as the controller left it
         cfg._schedule.load_state_dict(state["schedule"])
         if state.get("controller") and cfg._controller is not None:
             cfg._controller.load_state_dict(state["controller"])
@@ -407,14 +407,14 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
             break
     rew = torch.cat(rewards_all)
     rec["kv_read"] = rec["pages_read"] / max(1, rec["pages_dense"])  # fraction of the KV pages decode read
-    rec.update(reward=rew.mean().item(), groups_kept=sum(gather(len(kept), world, cfg._group)), groups=n_local * world,
+    rec.update(reward=rew.mean().item(), groups_kept=sum(n_kept), groups=n_local * world,
                short=int(sum(n_kept) < n_local * world), len_mean=torch.cat(lens).mean().item(),
                zero_adv_groups=sum(gather(zero_adv, world, cfg._group)), rollouts=len(rew) * world,
                finish_length=finish_length / len(rew), zone=sum(zone) / len(zone), **combine(results).summary())
     return kept, rec
 
 
-def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, world, log):
+def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, world):
     """Rollouts, rewards, advantages, and the update of one step. Returns the step's metrics record."""
     t0 = time.perf_counter()
     kept, rec = collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world)
@@ -443,7 +443,7 @@ def learn(cfg, model, opt, kept, pool_ids, pad_id, world):
         roll = torch.zeros(0, 1, device=dev)
     out = train_on(cfg, model, opt, ids, tmask, adv, world, roll)
     stats += out.pop("stats")
-    if hasattr(cfg, "_schedule"):
+    if cfg._schedule is not None:
         observe_schedule(cfg, out.pop("_alpha", (torch.zeros(0), torch.zeros(0, dtype=torch.long))), rec, world)
     rec.update(out)
     if world > 1:
@@ -546,7 +546,7 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
     local_tokens = max(1, int(tmask.sum()))
     out = {"stats": stats, "alpha_mean": mis["alpha_mean"], "alpha_p5": mis["alpha_p5"],
            "is_cut": mis["is_cut"] / local_tokens}
-    if rollout_logp is not None and hasattr(cfg, "_schedule"):  # the tail statistic per bin of cached pages
+    if rollout_logp is not None and cfg._schedule is not None:  # the tail statistic per bin of cached pages
         from sparsity import alpha_sample
         a = alpha_sample(old, rollout_logp)  # position t scores token t + 1: t + 1 tokens are cached
         pages = (torch.arange(ids.shape[1], device=ids.device) + cfg.page_size) // cfg.page_size
@@ -626,8 +626,8 @@ def fmt(rec):
     parts = [f"step {rec['step']:4d}",
              "signal " + g("zone", "zone {:.2f} ") + f"kept {rec['groups_kept']}/{rec['groups']} tries {rec['tries']}"
              + (" SHORT" if rec.get("short") else ""),
-             "rollout " + g("gen_s", "{:.2f}s ") + g("kv_read", "kv {:.2f} ") + g("kv_table", "table {} ") + g("prefill_s", "(prefill {:.2f}s ") + g("decode_s", "decode {:.2f}s) ")
-             + g("len_mean", "len {:.1f}"),
+             "rollout " + g("gen_s", "{:.2f}s ") + g("prefill_s", "(prefill {:.2f}s ") + g("decode_s", "decode {:.2f}s) ")
+             + g("len_mean", "len {:.1f} ") + g("kv_read", "kv {:.2f} ") + g("kv_table", "table {}"),
              "reward " + g("reward", "{:.3f} ") + g("reach_verify", "verify {:.2f} ") + g("dedup_saved", "dedup {:.2f} ")
              + (g("errors", "errors {} ") if rec.get("errors") else "") + (g("timeouts", "timeouts {}") if rec.get("timeouts") else ""),
              "mismatch " + g("alpha_mean", "alpha {:.4f} ") + g("alpha_p5", "p5 {:.4f} ") + g("is_cut", "is-cut {:.3f}"),
@@ -719,6 +719,7 @@ def run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, a
     start, history = 0, {"records": [], "acc0": None}
     if cfg.resume:
         start, history = load_checkpoint(cfg, model, opt, sampler, dev)
+        refresh_rollout(cfg, rollout_model, model)  # the copy was made from the weights before the checkpoint
         log(f"resumed from step {start}")
     else:
         with amp:
@@ -727,7 +728,6 @@ def run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, a
     log(f"policy: {model.num_params() / 1e6:.2f}M parameters on {dev} ({cfg.dtype}), world size {world}; "
         f"{len(train_ids)} training prompts")
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    refresh_rollout(cfg, rollout_model, cfg._replica or model)
     if rank == 0:  # rewrite the log up to the resume point, so a resumed run does not repeat steps
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history["records"])
@@ -737,7 +737,7 @@ def run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, a
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
         with amp:
-            rec = rl_step(cfg, step, model, engine, cascade, opt, sampler, train_ids, rank, world, log)
+            rec = rl_step(cfg, step, model, engine, cascade, opt, sampler, train_ids, rank, world)
             pull_full(cfg, model)
             refresh_rollout(cfg, rollout_model, cfg._replica or model)  # stage 5, colocated: the copy follows
             last = step == cfg.steps - 1
@@ -750,13 +750,18 @@ def run(cfg, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, a
                 f.write(json.dumps(rec) + "\n")
         if rank == 0 and ((step + 1) % cfg.save_every == 0 or last):
             save_checkpoint(cfg, cfg._replica or model, tok, opt, sampler, step + 1, history)
-    from model import weight_checksum
-    sums = gather(weight_checksum(cfg._replica or model), world)  # the ranks must agree: check, do not trust
-    history["checksums"] = sums
-    log(f"weight checksum per rank: {' '.join(sums)}" + (" (identical)" if len(set(sums)) == 1 else " (DIFFERENT)"))
+    history["checksums"] = check_ranks_agree(cfg._replica or model, world, log)
     if rank == 0:
         summarize(cfg, history, time.perf_counter() - t_start, log)
     return history
+
+
+def check_ranks_agree(model, world, log):
+    """Every rank's weight checksum, logged: the ranks must hold the same weights, so check instead of trusting."""
+    from model import weight_checksum
+    sums = gather(weight_checksum(model), world)
+    log(f"weight checksum per rank: {' '.join(sums)}" + (" (identical)" if len(set(sums)) == 1 else " (DIFFERENT)"))
+    return sums
 
 
 def summarize(cfg, history, seconds, log):
