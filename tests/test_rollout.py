@@ -64,18 +64,20 @@ def test_top_p_keeps_the_nucleus():
 
 def test_eos_stop_and_length():
     m, tok = tiny_model(), CharTok()
-    # make EOS the favourite after token 5, so row 0 (ending in 7) and others behave differently
-    eng = Engine(m, tok, max_new_tokens=6, temperature=0.0)
-    ro = eng.generate(PROMPTS, 1)
+    greedy = Engine(m, tok, max_new_tokens=6, temperature=0.0).generate(PROMPTS, 1)
+    # declare row 1's first greedy token an end-of-sequence token: row 1 must stop there, the others run on
+    eos = greedy.tokens[1, 0].item()
+    ro = Engine(m, tok, max_new_tokens=6, temperature=0.0, eos_ids=[eos]).generate(PROMPTS, 1)
+    assert ro.finish[1] == "eos" and int(ro.mask[1].sum()) == 1
     for i in range(len(ro)):
         n = int(ro.mask[i].sum())
-        assert (ro.finish[i] == "eos") == (ro.tokens[i, n - 1].item() == 1)
+        assert (ro.finish[i] == "eos") == (ro.tokens[i, n - 1].item() == eos)
         assert ro.finish[i] != "length" or n == 6
         assert not ro.mask[i, n:].any()
-    first = ro.texts[0][:2]
+    first = greedy.texts[0][:2]
+    assert len(first) == 2
     ro2 = Engine(m, tok, max_new_tokens=6, temperature=0.0, stop=[first]).generate(PROMPTS[:1], 1)
-    if len(first) == 2:
-        assert ro2.finish[0] == "stop" and ro2.texts[0] == first
+    assert ro2.finish[0] == "stop" and ro2.texts[0] == first
 
 
 def test_prompt_too_long_is_named():
