@@ -57,12 +57,20 @@ class Config:
     top_p: float = 1.0
     stop: str = ""  # a stop string (besides EOS); empty = none
     page_size: int = 16  # KV-cache page, in tokens
-    kv_budget: str = "dense"  # dense | fraction:F | fixed:N | table:N1,N2,...: KV pages read per decode step
+    kv_budget: str = "dense"  # dense | fraction:F | fixed:N | table:N1,N2,... | schedule:PATH | calibrate: KV pages
+    # read per decode step (schedule: a table written by calibrate.py; calibrate: calibrate.py's sweep at start)
     kv_bin_pages: int = 125  # table: bin width in pages (Sparrow: 2,000 tokens = 125 pages of 16)
     kv_scorer: str = "centroid"  # centroid | quest: how pages are scored for the sparse budget
     dense_layers: int = 2  # the first layers always read every page
     kv_controller: bool = False  # table budgets: adjust the table online to hold p5 alpha per bin at kv_target
     kv_target: float = 0.86  # Sparrow's threshold for the 5th percentile of alpha in each bin
+    kv_candidates: tuple = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # calibration: budgets swept, in pages
+    calib_prompts: int = 16  # calibration: training prompts (group_size rollouts each) per candidate
+    kv_compare_every: int = 0  # > 0: every this many steps, time a dense rollout of the same prompts (speedup)
+    distill_r: int = 0  # > 0: DistillSparse, a rollout-only LoRA of this rank trained toward the dense policy
+    distill_lr: float = 1e-3
+    distill_coef: float = 1.0  # lambda of lambda * KL(dense || sparse)
+    distill_pg: bool = False  # also train the adapter with the policy loss on the sparse replay
     # stage 1: which prompts (growth zone) and dynamic sampling
     sampler: str = "growth"  # growth | uniform
     zone: tuple = (0.1, 0.9)  # pass-rate bounds of the growth zone
@@ -112,6 +120,8 @@ class Config:
     _replica = None  # FSDP: the full-weight replica that the engines read
     _ref_model = None  # kl_coef > 0: the frozen reference policy
     _schedule = _controller = None  # table KV budgets: the engine's Schedule, and its Controller when on
+    _distill = None  # distill_r > 0: the distill.DistillSparse whose model generates the rollouts
+    _dense_engine = None  # kv_compare_every > 0: a dense engine on the rollout model, for the speed comparison
 
 
 # ----------------------------------------------------------------------------- config parsing

@@ -124,9 +124,10 @@ def build_batch(prompts, completions, masks, pad_id):
     return ids, tmask
 
 
-def token_logprobs(model, ids, tmask, temperature=1.0, packed=False):
+def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False):
     """Log-prob of every target token: returns (B, T) with values where tmask is set (0 elsewhere).
-    `packed` concatenates the rows without padding and attends within each (flash-attn varlen on CUDA)."""
+    `packed` concatenates the rows without padding and attends within each (flash-attn varlen on CUDA).
+    `full` also returns the whole log-softmax at the target positions, (M, V) in the order of ids[tmask]."""
     B, T = ids.shape
     targets = torch.roll(ids, -1, 1)
     if packed:
@@ -141,10 +142,11 @@ def token_logprobs(model, ids, tmask, temperature=1.0, packed=False):
         h = model(ids, hidden=True)  # (B, T, C)
         h_sel, tgt = h[tmask], targets[tmask]
     logits = model.lm_head(h_sel).float() / temperature  # only the scored positions are projected onto the vocabulary
-    lp = logits.log_softmax(-1).gather(-1, tgt[:, None])[:, 0]
+    lsm = logits.log_softmax(-1)
+    lp = lsm.gather(-1, tgt[:, None])[:, 0]
     out = torch.zeros(B, T, device=ids.device, dtype=lp.dtype)
     out[tmask] = lp
-    return out
+    return (out, lsm) if full else out
 
 
 # ----------------------------------------------------------------------------- setup: devices, data, model
@@ -307,6 +309,7 @@ def save_checkpoint(cfg, model, tok, opt, sampler, step, history):
              "history": history,
              "schedule": cfg._schedule.state_dict() if cfg._schedule is not None else None,
              "controller": cfg._controller.state_dict() if cfg._controller is not None else None,
+             "distill": cfg._distill.state_dict() if cfg._distill is not None else None,
              "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
     from model import save_adapter
     save_atomic(os.path.join(cfg.out_dir, "ckpt"), lambda d: (model.save_pretrained(d), tok.save_pretrained(d),
@@ -334,6 +337,8 @@ def load_checkpoint(cfg, model, opt, sampler, dev):
         cfg._schedule.load_state_dict(state["schedule"])
         if state.get("controller") and cfg._controller is not None:
             cfg._controller.load_state_dict(state["controller"])
+    if state.get("distill") and cfg._distill is not None:  # the rollout-only adapter and its optimizer
+        cfg._distill.load_state_dict(state["distill"])
     torch.set_rng_state(state["torch_rng"].cpu())
     return state["step"], state["history"]
 
@@ -382,9 +387,11 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
     for t in range(1 + (cfg.refill_tries if cfg.dynamic_sampling else 0)):
         batch = sampler.next_batch(n_local * world)[rank * n_local:(rank + 1) * n_local]
         zone.append(sampler.stats().get("zone", float("nan")))
-        t0 = time.perf_counter()
-        ro = engine.generate([pool_ids[i] for i, _ in batch], G, seed=cfg.seed * 100_003 + (step * 8 + t) * world + rank)
+        t0, seed = time.perf_counter(), cfg.seed * 100_003 + (step * 8 + t) * world + rank
+        ro = engine.generate([pool_ids[i] for i, _ in batch], G, seed=seed)
         rec["gen_s"] += time.perf_counter() - t0
+        if t == 0 and cfg._dense_engine is not None and step % cfg.kv_compare_every == 0:
+            rec.update(compare_dense(cfg, ro, [pool_ids[i] for i, _ in batch], seed))
         for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense"):
             rec[k] = rec.get(k, 0) + ro.timings[k]
         res = cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts, group_size=G)
@@ -400,7 +407,8 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
             if (signal or not cfg.dynamic_sampling) and len(kept) < n_local:
                 zero_adv += not signal
                 rows = slice(g * G, (g + 1) * G)
-                kept.append((batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows]))
+                kept.append((batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows],
+                             None if ro.read_pages is None else ro.read_pages[rows]))
         rec["tries"] = t + 1
         n_kept = gather(len(kept), world, cfg._group)
         if min(n_kept) >= n_local:  # the decision to refill is global: every rank runs the same collectives
@@ -412,6 +420,15 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
                zero_adv_groups=sum(gather(zero_adv, world, cfg._group)), rollouts=len(rew) * world,
                finish_length=finish_length / len(rew), zone=sum(zone) / len(zone), **combine(results).summary())
     return kept, rec
+
+
+def compare_dense(cfg, ro, prompt_ids, seed):
+    """The same prompts again on a dense engine (same weights, same seed), timed: the sparse budget's rollout
+    speedup, measured in the run itself, in tokens per second (prefill included), since the two rollouts may
+    differ in length. The dense rollout is thrown away."""
+    de, sp = cfg._dense_engine.generate(prompt_ids, cfg.group_size, seed=seed).timings, ro.timings
+    rate = {k: t["new_tokens"] / max(1e-9, t["prefill_s"] + t["decode_s"]) for k, t in (("dense", de), ("sparse", sp))}
+    return {"dense_tok_s": rate["dense"], "sparse_tok_s": rate["sparse"], "rollout_speedup": rate["sparse"] / rate["dense"]}
 
 
 def rl_step(cfg, step, model, engine, cascade, opt, sampler, pool_ids, rank, world):
@@ -443,6 +460,9 @@ def learn(cfg, model, opt, kept, pool_ids, pad_id, world):
         roll = torch.zeros(0, 1, device=dev)
     out = train_on(cfg, model, opt, ids, tmask, adv, world, roll)
     stats += out.pop("stats")
+    dense_full = out.pop("_dense_full", None)
+    if cfg._distill is not None and kept and dense_full is not None:  # the rollout-only adapter, toward dense
+        rec.update(distill_step(cfg, kept, pool_ids, ids, tmask, adv, roll, dense_full))
     if cfg._schedule is not None:
         observe_schedule(cfg, out.pop("_alpha", (torch.zeros(0), torch.zeros(0, dtype=torch.long))), rec, world)
     rec.update(out)
@@ -452,6 +472,20 @@ def learn(cfg, model, opt, kept, pool_ids, pad_id, world):
                clipfrac=(stats[2] / stats[1].clamp(min=1)).item(), skipped_nonfinite=int(stats[3]) // world,
                grad_norm=stats[4].item() / world, lr=opt.param_groups[0]["lr"], train_s=time.perf_counter() - t1)
     return rec
+
+
+def distill_step(cfg, kept, pool_ids, ids, tmask, adv, roll, dense_full):
+    """DistillSparse's step on the kept rollouts: their recorded page selections, padded to one shape (refill
+    tries differ in length), replayed under the adapter (distill.py)."""
+    sel = [k[5] for k in kept]
+    shape = (sum(len(x) for x in sel), ids.shape[1], *sel[0].shape[2:4], max(x.shape[4] for x in sel))
+    pages, i = torch.zeros(shape, dtype=torch.bool), 0
+    for x in sel:
+        pages[i:i + len(x), :x.shape[1], :, :, :x.shape[4]] = x
+        i += len(x)
+    plen = torch.tensor([len(pool_ids[k[0]]) for k in kept for _ in range(cfg.group_size)])
+    pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low, cfg.clip_high)[0]
+    return cfg._distill.update(ids, tmask, pages.to(ids.device), plen, dense_full, pg)
 
 
 def observe_schedule(cfg, alpha_pages, rec, world):
@@ -513,7 +547,12 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
             if parts else torch.zeros(0, ids.shape[1], device=ids.device)
 
     with torch.no_grad():  # logp_old: the policy before this batch's first update
-        old = logprobs_of(model, torch.arange(N))
+        if cfg._distill is not None:  # DistillSparse also takes the whole dense distribution at these positions
+            parts = [token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed, full=True)
+                     for r in torch.arange(N).split(mbs)]
+            old, dense_full = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        else:
+            old = logprobs_of(model, torch.arange(N))
         ref = logprobs_of(cfg._ref_model, torch.arange(N)) if cfg.kl_coef > 0 else None
     mode = cfg.is_correction if rollout_logp is not None else "none"
     is_w, mis = is_weights(old, old if rollout_logp is None else rollout_logp, tmask.float(), mode,
@@ -546,6 +585,8 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
     local_tokens = max(1, int(tmask.sum()))
     out = {"stats": stats, "alpha_mean": mis["alpha_mean"], "alpha_p5": mis["alpha_p5"],
            "is_cut": mis["is_cut"] / local_tokens}
+    if cfg._distill is not None:
+        out["_dense_full"] = dense_full
     if rollout_logp is not None and cfg._schedule is not None:  # the tail statistic per bin of cached pages
         from sparsity import alpha_sample
         a = alpha_sample(old, rollout_logp)  # position t scores token t + 1: t + 1 tokens are cached
@@ -554,10 +595,19 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None):
     return out
 
 
-def kv_budget(cfg):
-    """The rollout engine's KV budget from the config: False (dense) or a function of the cached page count."""
+def kv_budget(cfg, model=None, tok=None, pool_ids=None, log=print):
+    """The rollout engine's KV budget from the config: False (dense) or a function of the cached page count.
+    kv_budget=calibrate runs calibrate.py's sweep on `model` and saves the table to out_dir/kv_schedule.json."""
     from sparsity import Schedule, fixed_budget, fraction_budget
     kind, _, arg = cfg.kv_budget.partition(":")
+    if kind in ("schedule", "calibrate"):
+        import calibrate
+        if kind == "schedule":
+            return calibrate.load_schedule(arg, cfg.page_size)
+        sched = calibrate.calibrated_schedule(cfg, model, tok, pool_ids, log)
+        if cfg._rank == 0:
+            calibrate.save_schedule(sched, os.path.join(cfg.out_dir, "kv_schedule.json"), cfg)
+        return sched
     try:
         if kind == "dense":
             return False
@@ -569,7 +619,21 @@ def kv_budget(cfg):
             return Schedule([int(x) for x in arg.split(",")], cfg.kv_bin_pages)
     except ValueError as e:
         raise ValueError(f"config key 'kv_budget': {e}") from None
-    raise ValueError(f"config key 'kv_budget' must be dense, fraction:F, fixed:N or table:N1,N2,..., got {cfg.kv_budget!r}")
+    raise ValueError(f"config key 'kv_budget' must be dense, fraction:F, fixed:N, table:N1,N2,..., schedule:PATH or "
+                     f"calibrate, got {cfg.kv_budget!r}")
+
+
+def make_distill(cfg, model, budget, world):
+    """DistillSparse (distill.py) for this run, after checking that the run is one it supports."""
+    from distill import DistillSparse
+    bad = [why for why, hit in (("a sparse kv_budget", not budget), ("lora_r = 0", cfg.lora_r),
+                                ("rollout_copy = same", cfg.rollout_copy != "same"), ("one process", world > 1))
+           if hit]
+    if bad:
+        raise ValueError(f"config key 'distill_r' needs {', '.join(bad)}")
+    return DistillSparse(model, cfg.distill_r, lr=cfg.distill_lr, coef=cfg.distill_coef, pg=cfg.distill_pg,
+                         page_size=cfg.page_size, dense_layers=cfg.dense_layers, temperature=cfg.temperature,
+                         micro_batch=cfg.micro_batch)
 
 
 def make_rollout(cfg, model):
@@ -585,6 +649,9 @@ def make_rollout(cfg, model):
 
 def refresh_rollout(cfg, rollout_model, model):
     """After an update: re-derive the rollout copy from the policy (a no-op when they are the same object)."""
+    if cfg._distill is not None:  # DistillSparse: new base weights under the kept adapter
+        cfg._distill.refresh(model)
+        return
     if rollout_model is model:
         return
     from model import merged_state_dict
@@ -627,10 +694,13 @@ def fmt(rec):
              "signal " + g("zone", "zone {:.2f} ") + f"kept {rec['groups_kept']}/{rec['groups']} tries {rec['tries']}"
              + (" SHORT" if rec.get("short") else ""),
              "rollout " + g("gen_s", "{:.2f}s ") + g("prefill_s", "(prefill {:.2f}s ") + g("decode_s", "decode {:.2f}s) ")
-             + g("len_mean", "len {:.1f} ") + g("kv_read", "kv {:.2f} ") + g("kv_table", "table {}"),
+             + g("len_mean", "len {:.1f} ") + g("kv_read", "kv {:.2f} ") + g("kv_table", "table {} ")
+             + g("rollout_speedup", "vs dense {:.2f}x"),
              "reward " + g("reward", "{:.3f} ") + g("reach_verify", "verify {:.2f} ") + g("dedup_saved", "dedup {:.2f} ")
              + (g("errors", "errors {} ") if rec.get("errors") else "") + (g("timeouts", "timeouts {}") if rec.get("timeouts") else ""),
-             "mismatch " + g("alpha_mean", "alpha {:.4f} ") + g("alpha_p5", "p5 {:.4f} ") + g("is_cut", "is-cut {:.3f}"),
+             "mismatch " + g("alpha_mean", "alpha {:.4f} ") + g("alpha_p5", "p5 {:.4f} ") + g("is_cut", "is-cut {:.3f} ")
+             + (f"p5/bin {[round(x, 2) for x in rec['alpha_bins']['p5']]} " if "alpha_bins" in rec else "")
+             + g("distill_kl", "distill-kl {:.4f}"),
              "update " + g("loss", "loss {:+.4f} ") + g("clipfrac", "clip {:.3f} ") + g("grad_norm", "gn {:.2f} ")
              + g("train_s", "{:.2f}s") + (g("skipped_nonfinite", " NONFINITE-SKIPPED {}") if rec.get("skipped_nonfinite") else "")]
     if "acc" in rec:
@@ -672,12 +742,18 @@ def main(argv):
         cfg._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     cfg._replica = shard(cfg, model, dev) if cfg.fsdp else None
     full = cfg._replica or model  # full weights: what the engines read
-    rollout_model = make_rollout(cfg, full)
+    budget = kv_budget(cfg, full.eval(), tok, train_ids, log)
+    if cfg.distill_r:
+        cfg._distill = make_distill(cfg, full, budget, world)
+    rollout_model = cfg._distill.model if cfg._distill is not None else make_rollout(cfg, full)
     from sync import describe_copy
-    log(f"rollout copy: {describe_copy(rollout_model)}")
-    budget = kv_budget(cfg)
-    engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop,
-                    page_size=cfg.page_size, sparse=budget, scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
+    log(f"rollout copy: {describe_copy(rollout_model)}" + (f", plus a DistillSparse adapter of rank "
+                                                            f"{cfg.distill_r}" if cfg.distill_r else ""))
+    kv = dict(page_size=cfg.page_size, scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
+    engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop, sparse=budget,
+                    record_pages=cfg._distill is not None, **kv)
+    if cfg.kv_compare_every > 0 and budget:
+        cfg._dense_engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop, **kv)
     from sparsity import Controller, Schedule
     if isinstance(budget, Schedule):  # the engine reads this object, so the controller's edits apply next step
         cfg._schedule = budget

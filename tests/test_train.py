@@ -299,3 +299,28 @@ def test_torchrun_fsdp2_matches_plain_data_parallel(tmp_path):
     assert recs["fsdp"][0]["tokens"] > 0
     for a, b in zip(recs["dp"], recs["fsdp"]):  # the same data and the same update, sharded or not
         assert a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+def test_calibrated_schedule_distill_and_dense_comparison_in_the_loop(tmp_path, monkeypatch):
+    """kv_budget=calibrate writes a table that schedule:PATH reads back; DistillSparse trains its adapter (the
+    policy's weights stay adapter-free) and resumes; kv_compare_every times a dense rollout in the same step."""
+    import json
+    from fake_reward import use_parity_reward
+    use_parity_reward(monkeypatch.setattr)
+    run = TINY_RUN + ["--page_size=2", "--dense_layers=0", "--max_new_tokens=24", "--kv_bin_pages=4",
+                      "--kv_candidates=(1,2,4,64)", "--calib_prompts=2", "--kv_target=0.5", "--kv_compare_every=2"]
+    a = train.main(run + ["--steps=1", "--kv_budget=calibrate", f"--out_dir={tmp_path / 'a'}"])["records"]
+    sd = json.load(open(tmp_path / "a" / "kv_schedule.json"))
+    assert sd["bin_pages"] == 4 and sd["table"] == sorted(sd["table"]) and a[0]["kv_table"] == sd["table"]
+    assert a[0]["rollout_speedup"] > 0 and a[0]["dense_tok_s"] > 0
+    b = run + ["--distill_r=2", f"--kv_budget=schedule:{tmp_path / 'a' / 'kv_schedule.json'}", "--save_every=2"]
+    recs = killed_at_2_then_resumed(monkeypatch, b + [f"--out_dir={tmp_path / 'b'}"])
+    assert len(recs) == 4 and all(r["distill_kl"] >= 0 for r in recs)
+    from safetensors.torch import load_file
+    assert not any("lora" in k for k in load_file(str(tmp_path / "b" / "ckpt" / "model.safetensors")))
+    state = torch.load(tmp_path / "b" / "ckpt" / "trainer_state.pt", weights_only=False)
+    assert any(v.abs().sum() > 0 for k, v in state["distill"]["adapter"].items() if "lora_B" in k)  # it trained
+    with pytest.raises(ValueError, match="distill_r"):
+        train.main(run + ["--distill_r=2", "--lora_r=2", "--kv_budget=fixed:2", f"--out_dir={tmp_path / 'c'}"])
+    with pytest.raises(FileNotFoundError, match="calibrate.py"):
+        train.main(run + ["--kv_budget=schedule:/nonexistent.json", f"--out_dir={tmp_path / 'c'}"])
