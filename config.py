@@ -49,6 +49,7 @@ class Config:
     sft_batch: int = 16
     sft_lr: float = 1e-3
     sft_noise: float = 0.0  # fraction of teacher traces that end with the wrong convention (see teacher_trace)
+    sft_difficulty: tuple = ()  # synthetic warm start: range of chain lengths for SFT (empty: difficulty)
     # rollout
     prompts_per_step: int = 32
     group_size: int = 8

@@ -225,7 +225,7 @@ def warm_start(cfg, tok, dev, log):
     import prompts
     from model import Transformer
     key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn", "difficulty", "order",
-                                        "sft_steps", "sft_batch", "sft_lr", "sft_noise")}
+                                        "sft_steps", "sft_batch", "sft_lr", "sft_noise", "sft_difficulty")}
     path = os.path.join(cfg.out_dir, "warmstart")
     try:
         with open(os.path.join(path, "sft_key.json")) as f:
@@ -236,7 +236,8 @@ def warm_start(cfg, tok, dev, log):
         pass
     torch.manual_seed(cfg.seed)
     model = Transformer(tiny_model_config(cfg, tok)).to(dev)
-    data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000, cfg.difficulty, cfg.order)
+    data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000, cfg.sft_difficulty or cfg.difficulty,
+                                  cfg.order)  # a wider range than RL's teaches long chains faster (configs/longcot.py)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
     rng = random.Random(cfg.seed)
     log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} steps")

@@ -13,7 +13,8 @@ n_embd = 128
 n_head = 4
 n_kv_head = 2
 ffn = 384
-sft_steps = 300
+sft_difficulty = (2, 24)  # SFT on short chains too: the lookup is learned on them first, then carried to long ones
+sft_steps = 400
 sft_batch = 16
 sft_lr = 1e-3
 sft_noise = 0.6
@@ -26,3 +27,14 @@ warmup_steps = 3
 micro_batch = 16
 eval_every = 10
 save_every = 10
+# stage 2: the p5-held schedule. Calibrated on the warm start before step 0 (calibrate.py's sweep, written to
+# out_dir/kv_schedule.json), then held at p5 alpha >= 0.86 per bin by the controller. Pages of 8 tokens, bins of
+# 8 pages (64 tokens: Sparrow's 2,048-token bins scaled to the task), the first of the 4 layers dense.
+page_size = 8
+kv_bin_pages = 8
+dense_layers = 1
+kv_budget = "calibrate"
+kv_controller = True
+kv_candidates = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48)
+calib_prompts = 16
+kv_compare_every = 5    # every 5 steps, the same prompts on a dense engine: the speedup, measured in the run

@@ -173,3 +173,15 @@ def test_cost_dense_schedule_equals_dense_and_speedup_grows_with_length():
     assert rollout_cost(L_in=512, L_out=32768, schedule=tab, **qwen)["speedup"] > 1.5
     with pytest.raises(ValueError, match="positive"):
         rollout_cost(L_in=0, L_out=10, **SHAPE)
+
+
+def test_schedule_file_round_trip_and_page_size_check(tmp_path):
+    import calibrate
+    from config import Config
+    from sparsity import Schedule
+    cfg = Config(page_size=8)
+    calibrate.save_schedule(Schedule([3, 4, 6], 8, threshold=0.9), str(tmp_path / "s.json"), cfg)
+    s = calibrate.load_schedule(str(tmp_path / "s.json"), page_size=8)
+    assert s.table == [3, 4, 6] and s.bin_pages == 8 and s.threshold == 0.9 and s(100) == 6
+    with pytest.raises(ValueError, match="page_size=8"):
+        calibrate.load_schedule(str(tmp_path / "s.json"), page_size=16)
