@@ -2,11 +2,12 @@
 bench.py: side-by-side measurements. Every figure is a ratio of two things timed in the same run on the same
 machine, printed as a markdown table whose rows name the hardware and the command.
 
-    python bench.py rollout --threads 1       # stage 2: the rollout engine (about 7 minutes on one CPU core)
+    python bench.py rollout --threads 1       # stage 2: the rollout engine (about 8 minutes on one CPU core)
     python bench.py rollout --quick           # smaller sizes: a smoke run of the same code (under a minute)
     python bench.py rollout --write-readme    # also rewrite README.md between <!-- bench:rollout --> markers
 
-    python bench.py signal --write-readme     # stages 1 and 3: two embedded-default runs (about 8 minutes)
+    python bench.py signal --write-readme     # stages 1 and 3: 3 seeds x 2 short default runs (10-16 minutes)
+    python bench.py sparrow --write-readme    # stage 2 in the loop: four long-CoT runs, and assets/sparrow.png
 
 Sections (one function each, `bench_<name>`; later stages add theirs):
     signal   the embedded default with growth-zone and dynamic sampling against uniform sampling that trains on
@@ -17,6 +18,11 @@ Sections (one function each, `bench_<name>`; later stages add theirs):
              (c) one decode step's attention, sparse (1/8 of the pages) vs dense, on the CPU path
              (d) on a GPU only: the Triton kernel vs SDPA dense decode vs FlexAttention on the same pages,
                  and the bandwidth each reaches as a fraction of the device's peak
+             (e) the cost model (sparsity.rollout_cost) next to the engine: predicted and measured decode
+                 speedup of a sparse schedule on this machine, and the prediction for Qwen3-1.7B on an H200
+    sparrow  the miniature Sparrow experiment on configs/longcot.py, from one warm start, seed and step count:
+             (a) dense, (b) a fixed aggressive budget, (c) the p5-held schedule, (d) (c) + DistillSparse;
+             reward, held-out accuracy, mean and p5 alpha per bin, pages read, rollout time, in-run speedup
 
 Simplifications:
     1. The model is random: speed does not depend on the weights. Decoding is greedy with EOS off, so both
@@ -265,6 +271,86 @@ def rollout_sparse_decode_gpu(contexts, B, H_q, H_kv, D, page_size, hw, cmd, dev
     return rows
 
 
+def machine_rates(n=2048, nbytes=256 << 20, repeats=3):
+    """This machine's sustained fp32 FLOP/s (an n x n matmul) and read bandwidth in bytes/s (summing nbytes of
+    fp32), best of `repeats`: the two rates that the cost model divides by."""
+    a, b, x = torch.randn(n, n), torch.randn(n, n), torch.ones(nbytes // 4)
+    t = best_of({"matmul": lambda: a @ b, "sum": lambda: x.sum()}, repeats=repeats)
+    return 2 * n ** 3 / t["matmul"], nbytes / t["sum"]
+
+
+def cost_model_check(model, L_in, L_out, N, schedule, dense_layers, rates, page_size=16, repeats=2):
+    """One group of N rows sharing an L_in-token prompt, L_out new tokens each: decode seconds measured with the
+    engine (dense and with `schedule`, best of `repeats`) and predicted by sparsity.rollout_cost for the same
+    shape, schedule and lengths from rates = (FLOP/s, bytes/s). The engine's first token comes from prefill, so
+    decode runs L_out - 1 forwards with L_in + 1 ... L_in + L_out - 1 tokens cached: exactly rollout_cost's
+    steps for L_out - 1 tokens. Prefill is the same dense work on both sides and is left out of both."""
+    from rollout import Engine
+    from sparsity import model_shape, rollout_cost
+    cfg = model.config
+    prompt = torch.randint(2, cfg.vocab_size, (L_in,), generator=torch.Generator().manual_seed(2)).tolist()
+    keep = dict(page_size=page_size, dense_layers=dense_layers, keep_first=1, keep_recent=2)
+    engines = {"dense": Engine(model, _Ids(), max_new_tokens=L_out, temperature=0.0, eos_ids=[], **keep),
+               "sparse": Engine(model, _Ids(), max_new_tokens=L_out, temperature=0.0, eos_ids=[], sparse=schedule,
+                                **keep)}
+    ros = {k: [] for k in engines}
+    best_of({k: (lambda k=k: ros[k].append(engines[k].generate([prompt], N))) for k in engines}, repeats, warmup=0)
+    measured = {k: min(r.timings["decode_s"] for r in ros[k]) for k in ros}
+    P, layers, kv_heads, head_dim = model_shape(cfg)
+    # fp32 everywhere on a CPU: 4-byte KV, and every step re-reads the 4-byte weights
+    pred = rollout_cost(P, layers, N, cfg.num_attention_heads // kv_heads, 2 * layers * kv_heads * head_dim, L_in,
+                        L_out - 1, *rates, schedule=schedule, kv_bytes=4, param_bytes=4, **keep)
+    t = ros["sparse"][-1].timings
+    return {"measured": measured, "pred": pred, "pages": t["pages_read"] / t["pages_dense"],
+            "speedup": measured["dense"] / measured["sparse"]}
+
+
+def rollout_cost_vs_measured(hw, cmd, quick):
+    """(e) sparsity.rollout_cost against the engine on this CPU: predicted vs measured decode speedup and seconds
+    for 1/8 of the pages; then what the model predicts for Qwen3-1.7B on an H200 (a prediction only)."""
+    from model import ModelConfig, Transformer
+    from sparsity import fraction_budget, model_shape, rollout_cost
+    flops, bw = machine_rates()
+    # narrow, shallow and KV-heavy (D = 3,072 KV elements a token against ~7M weights): attention over a long
+    # prompt is most of a decode step, so the schedule has something to save
+    L_in, L_out, N, dl = (1024, 64, 4, 2) if quick else (2048, 128, 4, 2)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                                    num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                    max_position_embeddings=L_in + L_out)).eval()
+    c = cost_model_check(model, L_in, L_out, N, fraction_budget(1 / 8), dl, (flops, bw))
+    m, p = c["measured"], c["pred"]
+    setup = (f"N = {N} rows of one {L_in}-token prompt, {L_out} new tokens, 1/8 of the pages past {dl} dense layers "
+             f"(engine read {c['pages']:.0%} of the dense pages), 6 layers, Hq 8, Hkv 4, head_dim 64, fp32; "
+             f"rates {flops / 1e9:.0f} GFLOP/s (matmul), {bw / 1e9:.1f} GB/s (sum)")
+    rows = [row(f"(e) cost model: decode speedup predicted vs measured, {setup}", f"{p['speedup']:.2f}x predicted",
+                f"{c['speedup']:.2f}x measured", p["speedup"] / c["speedup"], "", hw, cmd)]
+    for k in ("dense", "sparse"):
+        # the model reads the prompt's KV once a step for all N rows; the CPU path gathers every row's pages,
+        # the shared prompt's included, into an fp32 copy before attention (the largest item in a profile at
+        # 2k tokens, then the attention bmm, the N-row matmuls far below the big-matmul rate and elementwise
+        # ops): it under-predicts the seconds several-fold, dense more than sparse
+        rows.append(row(f"(e) cost model: {k} decode seconds predicted vs measured, same run (the model counts "
+                        f"FLOPs and bytes at the measured rates; the CPU path re-gathers the shared prompt's KV "
+                        f"per row and runs small matmuls below peak)", f"{p[k + '_s']:.2f} s predicted",
+                        f"{m[k]:.2f} s measured", p[k + "_s"] / m[k], "", hw, cmd))
+    # Qwen3-1.7B (tied embeddings) on an H200's datasheet rates, bf16: a prediction, nothing is run
+    qwen = ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    P, layers, kv_heads, head_dim = model_shape(qwen)
+    args = (P, layers, 8, 16 // kv_heads, 2 * layers * kv_heads * head_dim, 1024, 16384, 989e12, 4.8e12)
+    q = rollout_cost(*args, schedule=fraction_budget(1 / 8), dense_layers=2, kv_bytes=2)
+    qw = rollout_cost(*args, schedule=fraction_budget(1 / 8), dense_layers=2, kv_bytes=2, param_bytes=2)
+    rows.append(row(f"(e) cost model PREDICTION (not measured): Qwen3-1.7B, N = 8 rollouts of a 1,024-token prompt, "
+                    f"16,384 new tokens, 1/8 of the pages past 2 dense layers, bf16; with the weights' traffic (2 "
+                    f"bytes a parameter a step, which the formula leaves out) added: {qw['sparse_s']:.0f} s sparse "
+                    f"vs {qw['dense_s']:.0f} s dense, {qw['speedup']:.2f}x", f"{q['sparse_s']:.1f} s sparse",
+                    f"{q['dense_s']:.1f} s dense", q["speedup"], "", "H200 datasheet: 989 TFLOP/s bf16, 4.8 TB/s",
+                    cmd))
+    print("\n".join(rows), flush=True)
+    return rows
+
+
 def bench_rollout(quick, cmd):
     """Stage 2. (a) and (b) run the engine on the CPU, (c) times the CPU attention path, (d) needs CUDA."""
     hw = hardware()
@@ -278,6 +364,7 @@ def bench_rollout(quick, cmd):
     if torch.cuda.is_available():
         rows += rollout_sparse_decode_gpu([8192, 32768] if quick else [8192, 32768, 131072], B=8, H_q=16, H_kv=8,
                                           D=128, page_size=16, hw=hardware(gpu=True), cmd=cmd)
+    rows += rollout_cost_vs_measured(hw, cmd, quick)
     return rows
 
 
@@ -286,45 +373,172 @@ def run_summary(history):
     recs = history["records"]
     n = sum(r["rollouts"] for r in recs)
     trained = sum(r["groups_kept"] for r in recs)
+    share = lambda k: sum(r.get(k, 0.0) * r["rollouts"] for r in recs) / max(1, n)  # of every completion of the run
     return {"rollouts": n, "zero_adv": sum(r["zero_adv_groups"] for r in recs) / max(1, trained),
-            "verify": sum(r.get("reach_verify", 0.0) * r["rollouts"] for r in recs) / max(1, n),
+            "verify": share("reach_verify"), "by_value": share("by_value"),
             "acc0": history["acc0"], "acc": [r["acc"] for r in recs if "acc" in r][-1], "steps": len(recs)}
 
 
 def bench_signal(quick, cmd):
-    """Stages 1 and 3 on the embedded default: growth-zone sampling with dynamic sampling (ours) against uniform
-    sampling that trains on every group (baseline), at the same number of rollouts, from the same warm start."""
+    """Stages 1 and 3: growth-zone sampling with dynamic sampling (ours) against uniform sampling that trains on
+    every group (baseline), at the same number of rollouts, from the same warm start, for seeds 0, 1 and 2 (a seed
+    sets the warm start, the pools and the sampling). The embedded default, stopped at 12 of its 60 steps and
+    scored on 500 held-out problems: at 60 steps both arms reach 0.98-1.00, which compares nothing."""
     import shutil
     import train
     hw = hardware()
-    args = ["--plot=false"] + (["--steps=6", "--sft_steps=60", "--n_eval=50", "--eval_every=100"] if quick else [])
+    seeds = (0,) if quick else (0, 1, 2)
+    args = ["--plot=false", "--eval_every=1000"] + (["--steps=6", "--sft_steps=60", "--n_eval=50"] if quick
+                                                    else ["--steps=12", "--n_eval=500"])
+    runs, wall = {"ours": [], "base": []}, {"ours": 0.0, "base": 0.0}
     root = tempfile.mkdtemp(prefix="zeros-bench-signal-")
-    t0 = time.perf_counter()
-    ours = run_summary(train.main(args + [f"--out_dir={root}/ours"]))
-    t1 = time.perf_counter()
-    cfg = train.parse_config(args)
-    steps = max(1, round(ours["rollouts"] / (cfg.prompts_per_step * cfg.group_size)))  # the same rollout budget
-    shutil.copytree(f"{root}/ours/warmstart", f"{root}/base/warmstart")
-    base = run_summary(train.main(args + [f"--out_dir={root}/base", "--sampler=uniform", "--dynamic_sampling=false",
-                                          f"--steps={steps}"]))
-    t2 = time.perf_counter()
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        for seed in seeds:
+            a = args + [f"--seed={seed}"]
+            cfg = train.parse_config(a + [f"--out_dir={root}/{seed}"])
+            train.build_policy(cfg, torch.device("cpu"), print)  # the warm start (SFT), shared, outside the timing
+            for arm in ("ours", "base"):
+                extra = [] if arm == "ours" else ["--sampler=uniform", "--dynamic_sampling=false", "--steps=%d" % max(
+                    1, round(runs["ours"][-1]["rollouts"] / (cfg.prompts_per_step * cfg.group_size)))]  # same rollouts
+                shutil.copytree(f"{root}/{seed}/warmstart", f"{root}/{seed}-{arm}/warmstart")
+                t = time.perf_counter()
+                runs[arm].append(run_summary(train.main(a + [f"--out_dir={root}/{seed}-{arm}"] + extra)))
+                wall[arm] += time.perf_counter() - t
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    o, b = runs["ours"], runs["base"]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
+
+    def cell(rs, k, f):  # the mean over seeds, then each seed's value
+        return format(mean(rs, k), f) + (" (" + ", ".join(format(r[k], f) for r in rs) + ")" if len(rs) > 1 else "")
+
+    def spent(rs):  # one phrase when every seed spent the same
+        each = [f"{r['rollouts']} in {r['steps']} steps" for r in rs]
+        return "; ".join(each) if len(set(each)) > 1 else each[0] + (" per seed" if len(rs) > 1 else "")
+
+    n_o, n_b = sum(r["rollouts"] for r in o), sum(r["rollouts"] for r in b)
     sub = "growth zone + dynamic sampling vs uniform, every group trained"
-    rows = [f"| rollouts generated ({sub}) | {ours['rollouts']} in {ours['steps']} steps | {base['rollouts']} in "
-            f"{base['steps']} steps | {ours['rollouts'] / base['rollouts']:.2f}x | equal | {hw} | `{cmd}` |",
-            f"| trained groups with zero advantage | {ours['zero_adv']:.1%} | {base['zero_adv']:.1%} | | <= 5% | {hw} "
+    per = f"mean over seeds {', '.join(map(str, seeds))} (each seed)" if len(seeds) > 1 else f"seed {seeds[0]}"
+    steps = train.parse_config(args).steps
+    rows = [f"| rollouts generated ({sub}; {per}) | {spent(o)} | {spent(b)} | {n_o / n_b:.2f}x | equal | {hw} "
             f"| `{cmd}` |",
-            f"| completions that reach the expensive verifier | {ours['verify']:.1%} | {base['verify']:.1%} | | <= 50% "
-            f"| {hw} | `{cmd}` |",
-            f"| held-out greedy accuracy, warm start {ours['acc0']:.3f} | {ours['acc']:.3f} | {base['acc']:.3f} | | "
+            f"| trained groups with zero advantage | {cell(o, 'zero_adv', '.1%')} | {cell(b, 'zero_adv', '.1%')} | "
+            f"| <= 5% | {hw} | `{cmd}` |",
+            f"| completions that reach the expensive verifier (math-verify) | {cell(o, 'verify', '.1%')} | "
+            f"{cell(b, 'verify', '.1%')} | | <= 50% | {hw} | `{cmd}` |",
+            f"| completions whose answer fails the string match but is settled as an integer (without that rule, they "
+            f"would reach the verifier) | {cell(o, 'by_value', '.1%')} | {cell(b, 'by_value', '.1%')} | | | {hw} | "
+            f"`{cmd}` |",
+            f"| held-out greedy accuracy after ours' {steps} steps, warm start {cell(o, 'acc0', '.3f')} | "
+            f"{cell(o, 'acc', '.3f')} | {cell(b, 'acc', '.3f')} | {mean(o, 'acc') - mean(b, 'acc'):+.3f} | "
             f"at least as good | {hw} | `{cmd}` |",
-            f"| wall time | {t1 - t0:.0f} s | {t2 - t1:.0f} s | {(t1 - t0) / (t2 - t1):.2f}x | | {hw} | `{cmd}` |"]
+            f"| wall time, warm starts not counted | {wall['ours']:.0f} s | {wall['base']:.0f} s | "
+            f"{wall['ours'] / wall['base']:.2f}x | | {hw} | `{cmd}` |"]
     for r in rows:
         print(r, flush=True)
     return rows
 
 
-SECTIONS = {"rollout": bench_rollout, "signal": bench_signal}
+# ----------------------------------------------------------------------------- stage 2 in the loop: Sparrow
+
+SPARROW_FIXED = 4  # pages of 8 tokens per decode step for arm (b): mean alpha stays high, its tail does not
+
+
+def sparrow_arms(fixed):
+    return {"(a) dense": ["--kv_budget=dense", "--kv_controller=false"],
+            f"(b) fixed {fixed} pages": [f"--kv_budget=table:{fixed}", "--kv_controller=false", "--kv_compare_every=5"],
+            "(c) p5-held schedule": ["--kv_budget=calibrate", "--kv_controller=true", "--kv_compare_every=5"],
+            "(d) (c) + DistillSparse": ["--kv_budget=calibrate", "--kv_controller=true", "--kv_compare_every=5",
+                                        "--distill_r=8"]}
+
+
+def sparrow_summary(history):
+    """One arm's figures from its per-step records."""
+    recs = history["records"]
+    nanmean = lambda xs: (lambda v: sum(v) / len(v) if v else float("nan"))([x for x in xs if x == x])
+    bins = [r["alpha_bins"] for r in recs if "alpha_bins" in r]
+    nb = max((len(b["p5"]) for b in bins), default=0)
+    per_bin = {k: [nanmean([b[k][i] for b in bins if i < len(b[k])]) for i in range(nb)] for k in ("mean", "p5")}
+    k = max(1, len(recs) // 5)
+    speed = [r["rollout_speedup"] for r in recs if "rollout_speedup" in r]
+    return {"reward0": nanmean([r["reward"] for r in recs[:k]]), "reward1": nanmean([r["reward"] for r in recs[-k:]]),
+            "acc0": history["acc0"], "acc": [r["acc"] for r in recs if "acc" in r][-1],
+            "alpha": nanmean([r["alpha_mean"] for r in recs]), "p5": nanmean([r["alpha_p5"] for r in recs]),
+            "bins": per_bin, "kv_read": nanmean([r["kv_read"] for r in recs]),
+            "gen_s": sum(r["gen_s"] for r in recs), "tokens": sum(r["new_tokens"] for r in recs),
+            "speedup": nanmean(speed), "n_speed": len(speed), "table": recs[-1].get("kv_table"),
+            "curve": [(r["step"], r["reward"], r.get("acc")) for r in recs]}
+
+
+def sparrow_plot(results, path, threshold):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for i, (name, s) in enumerate(results.items()):
+        c = f"C{i}"  # one colour per run in every panel
+        steps = [x[0] for x in s["curve"]]
+        ax[0].plot(steps, [x[1] for x in s["curve"]], color=c, label=name)
+        ev = [(x[0], x[2]) for x in s["curve"] if x[2] is not None]
+        ax[1].plot([-1] + [e[0] for e in ev], [s["acc0"]] + [e[1] for e in ev], color=c, marker="o", label=name)
+        if s["bins"]["p5"]:
+            ax[2].plot(range(len(s["bins"]["p5"])), s["bins"]["p5"], color=c, marker="o", label=f"{name}: p5")
+            ax[2].plot(range(len(s["bins"]["mean"])), s["bins"]["mean"], color=c, ls="--", label=f"{name}: mean")
+    ax[2].axhline(threshold, color="k", lw=0.8, ls=":")
+    for a, t in zip(ax, ("training reward", "held-out greedy accuracy", "alpha per bin of cached length")):
+        a.set_title(t)
+        a.legend(fontsize=7)
+    ax[0].set_xlabel("step"), ax[1].set_xlabel("step (-1: the warm start)")
+    ax[2].set_xlabel("bin of cached length (kv_bin_pages pages each); dotted: the threshold")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def bench_sparrow(quick, cmd):
+    """The miniature Sparrow experiment on the CPU long-CoT task (configs/longcot.py): four runs from the same warm
+    start, seed and steps, (a) dense, (b) a fixed aggressive budget, (c) the p5-held schedule (calibrated at the
+    start, then the controller), (d) (c) with DistillSparse. Writes assets/sparrow.png and the table."""
+    import shutil
+    import train
+    hw = hardware()
+    args = ["configs/longcot.py", "--plot=false"] + (["--steps=4", "--sft_steps=40", "--n_eval=16", "--eval_every=2",
+                                                      "--calib_prompts=4"] if quick else [])
+    root = tempfile.mkdtemp(prefix="zeros-bench-sparrow-")
+    cfg = train.parse_config(args)
+    results = {}
+    cached = os.path.join(cfg.out_dir, "warmstart")  # a warm start that `python train.py configs/longcot.py` built
+    for i, (name, extra) in enumerate(sparrow_arms(SPARROW_FIXED).items()):
+        out = f"{root}/arm{i}"
+        src = f"{root}/arm0/warmstart" if i else cached
+        if os.path.isdir(src):  # the same warm start for every arm (train.warm_start rebuilds it if its key differs)
+            shutil.copytree(src, f"{out}/warmstart")
+        print(f"--- {name}", flush=True)
+        results[name] = sparrow_summary(train.main(args + extra + [f"--out_dir={out}"]))
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs("assets", exist_ok=True)
+    sparrow_plot(results, "assets/sparrow.png", cfg.kv_target)
+    dense_ms = 1e3 * results["(a) dense"]["gen_s"] / results["(a) dense"]["tokens"]
+    rows = []
+    for name, s in results.items():
+        fmt_bins = lambda xs: " ".join("-" if x != x else f"{x:.2f}" for x in xs) or "-"
+        ms = 1e3 * s["gen_s"] / s["tokens"]
+        rows.append(f"| {name} | {s['reward0']:.3f} -> {s['reward1']:.3f} | {s['acc0']:.3f} -> {s['acc']:.3f} | "
+                    f"{s['alpha']:.3f} / {s['p5']:.3f} | {fmt_bins(s['bins']['mean'])} | {fmt_bins(s['bins']['p5'])} | "
+                    f"{s['kv_read']:.2f} | {ms:.2f} ms ({dense_ms / ms:.2f}x) | "
+                    + (f"{s['speedup']:.2f}x ({s['n_speed']} steps)" if s["n_speed"] else "-")
+                    + f" | {s['table'] or '-'} |")
+    head = [f"Hardware: {hw}. Command: `{cmd}`. {cfg.steps} steps, {cfg.prompts_per_step} x {cfg.group_size} "
+            f"rollouts per step, threshold p5 alpha >= {cfg.kv_target}, bins of {cfg.kv_bin_pages} pages of "
+            f"{cfg.page_size} tokens, first {cfg.dense_layers} layer(s) dense.", "",
+            "| run | reward, first -> last fifth of the steps | held-out accuracy, start -> end | alpha mean / p5 "
+            "(all tokens) | mean alpha per bin | p5 alpha per bin | KV pages read (of dense) | rollout time per "
+            "token (vs the dense run) | rollout speedup vs dense, same step, same weights | table at the end |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    return head + rows
+
+
+SECTIONS = {"rollout": bench_rollout, "signal": bench_signal, "sparrow": bench_sparrow}
+OWN_HEADER = {"sparrow"}  # sections whose rows carry their own table head
 
 
 def main(argv):
@@ -338,7 +552,7 @@ def main(argv):
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = SECTIONS[args.section](args.quick, " ".join(["python bench.py"] + argv))
-    table = "\n".join(TABLE_HEAD + rows)
+    table = "\n".join(rows if args.section in OWN_HEADER else TABLE_HEAD + rows)
     print("\n" + table)
     if args.write_readme:
         if write_readme_block(args.section, table):

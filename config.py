@@ -80,7 +80,7 @@ class Config:
     refill_tries: int = 2  # extra draws to refill groups whose rewards are all equal; then train short
     min_spread: float = 0.0  # a group is kept when max - min reward exceeds this
     # stage 3: the verifier cascade
-    math_verify: bool = True  # symbolic equivalence (math, gsm8k) for answers that fail the exact match
+    math_verify: bool = True  # symbolic equivalence (math, gsm8k, synthetic) for answers no cheap rule settles
     max_chars: int = 0  # cheap check: longer completions score 0 (0 = no limit)
     judge: str = ""  # optional "module:function" taking (prompt, completion, reference) -> float
     # stage 4: the update

@@ -5,9 +5,11 @@ see only what the cheap ones let through:
     1 dedup   identical completions within a group are scored once; the copies get the same reward
     2 cheap   an answer is extractable and non-empty (code: a ```python block that ast.parse
               accepts), at most max_chars long. A failure scores 0 and stops
-    3 exact   the answer equals the reference after normalize_answer: a clear pass stops here
-    4 verify  math-verify symbolic equivalence for math and gsm8k (1/2 = 0.5 = \\frac{1}{2}); the
-              unit tests in the sandbox (sandbox.py) for code
+    3 exact   the answer equals the reference after normalize_answer (a clear pass), or both are
+              plain integers and their values decide (072 = 72 passes, 71 != 72 fails); either
+              way it stops here. Only what neither settles goes on
+    4 verify  math-verify symbolic equivalence for math, gsm8k and synthetic answers (1/2 = 0.5 =
+              \\frac{1}{2}, "9>" = 9); the unit tests in the sandbox (sandbox.py) for code
     5 judge   optional, a callable (prompt, completion, reference) -> float (a small model, a user
               function): a second look at what was rejected (judge_on="rejected") or a grade for
               what passed ("passed"); tasks with no verifier go to it directly
@@ -25,7 +27,9 @@ Simplifications:
   4. A judge call past its deadline is abandoned, not killed (threads cannot be): a judge that
      hangs for good keeps one idle thread per call.
   5. A math-verify worker stuck when the trainer dies lives on until its memory cap or its alarm.
-  6. `score` / `score_one` are the cheap path alone (exact match, no processes) for quick checks.
+  6. `score` / `score_one` are the cheap path alone (stage 3, no processes) for quick checks.
+  7. Only integers are settled by value: decimals and expressions go to math-verify, which rounds
+     (it calls 0.333333 and 0.3333333 equal) and reads expressions, where a cheap rule could disagree.
 
     with Cascade(max_chars=8000) as cascade:
         res = cascade.score_batch(problems, completions, group_size=8)
@@ -153,6 +157,35 @@ def normalize_answer(s: Optional[str]) -> str:
     return s
 
 
+_INTEGER = re.compile(r"(-?)0*(\d+)")
+
+
+def _integer(s: str) -> Optional[str]:
+    """A canonical spelling of a plain integer ("-007" -> "-7", "-0" -> "0"), or None. Strings, not
+    int(): Python refuses to convert integers of more than 4,300 digits."""
+    m = _INTEGER.fullmatch(s)
+    if m is None:
+        return None
+    return m.group(2) if m.group(2) == "0" else m.group(1) + m.group(2)
+
+
+def cheap_verdict(pred: Optional[str], gold: Optional[str]) -> Optional[bool]:
+    """The cascade's stage 3: True or False when a cheap comparison settles it, None when only a verifier can.
+
+    Equal after normalize_answer: True. Both plain integers: their values decide ("072" passes for
+    "72", "71" fails). No answer or no reference answer: False. Anything else (fractions, decimals,
+    expressions, leftovers such as "9>") is None: math-verify reads those, and a cheap rule could
+    disagree with it.
+    """
+    p, g = normalize_answer(pred), normalize_answer(gold)
+    if not p or not g:
+        return False
+    if p == g:
+        return True
+    ip, ig = _integer(p), _integer(g)
+    return None if ip is None or ig is None else ip == ig
+
+
 def _extract_gsm8k(text: str) -> Optional[str]:
     ans = extract_hash_answer(text)
     return ans if ans is not None else last_number(text)
@@ -178,14 +211,12 @@ def extract_answer(task: str, text: str) -> Optional[str]:
 def score_one(problem, completion: str) -> float:
     """1.0 if the answer extracted from `completion` (by problem.task) matches problem.answer, else 0.0.
 
-    Both sides go through normalize_answer; a completion with no extractable answer scores 0.0.
-    The cheap path only (no math-verify, no sandbox): the Cascade below is the full reward.
+    A match is what cheap_verdict calls True (equal after normalize_answer, or equal integers); a
+    completion with no extractable answer scores 0.0. The cheap path only (no math-verify, no sandbox):
+    what the Cascade below would send to math-verify scores 0 here.
     """
     pred = extract_answer(problem.task, completion if isinstance(completion, str) else "")
-    if pred is None:
-        return 0.0
-    gold = normalize_answer(problem.answer)
-    return 1.0 if gold != "" and normalize_answer(pred) == gold else 0.0
+    return 1.0 if pred is not None and cheap_verdict(pred, problem.answer) else 0.0
 
 
 def score(problems: Sequence, completions: Sequence[str]) -> list[float]:
@@ -199,7 +230,7 @@ def score(problems: Sequence, completions: Sequence[str]) -> list[float]:
 # Calls with a deadline: a thread for the judge, a worker process for math-verify.
 
 STAGES = ("dedup", "cheap", "exact", "verify", "judge")
-MATH_TASKS = ("gsm8k", "math")  # a failed exact match goes on to math-verify
+MATH_VERIFY_TASKS = ("gsm8k", "math", "synthetic")  # answers that stage 3 cannot settle go on to math-verify
 
 
 def _call_with_timeout(fn: Callable, args: tuple, timeout_s: float) -> tuple:
@@ -334,6 +365,7 @@ class RewardResult:
     cost_s: list   # seconds of its deciding call (0 for the cheap stages)
     reached: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0))  # completions each stage looked at
     time_s: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))  # wall seconds of each stage
+    by_value: int = 0         # answers that failed the string match but were settled as integers (stage 3)
     dedup_saved: int = 0      # copies that took the reward of their first occurrence
     saved_expensive: int = 0  # ... of which would have reached verify or judge
     cheap_fail: Counter = field(default_factory=Counter)   # reason -> count
@@ -346,9 +378,9 @@ class RewardResult:
         """Short keys for the log line: fractions of all completions, counts, seconds."""
         n = max(1, len(self.rewards))
         out = {f"reach_{s}": self.reached[s] / n for s in ("exact", "verify", "judge")}
-        out.update(cheap_fail=sum(self.cheap_fail.values()) / n, dedup_saved=self.dedup_saved / n,
-                   errors=self.errors, timeouts=self.timeouts, t_verify=self.time_s["verify"],
-                   t_judge=self.time_s["judge"], t_reward=sum(self.time_s.values()))
+        out.update(cheap_fail=sum(self.cheap_fail.values()) / n, by_value=self.by_value / n,
+                   dedup_saved=self.dedup_saved / n, errors=self.errors, timeouts=self.timeouts,
+                   t_verify=self.time_s["verify"], t_judge=self.time_s["judge"], t_reward=sum(self.time_s.values()))
         return out
 
 
@@ -368,8 +400,9 @@ class Cascade:
     close() it when done, or use it in a `with` block.
 
     max_chars: longer completions fail the cheap checks (None: no limit). math_verify: False lets
-    exact match alone decide math and gsm8k. verify_timeout_s, verify_workers, verify_mem_mb: the
-    deadline of one math-verify call, the number of worker processes, the memory cap of each.
+    stage 3 alone decide math, gsm8k and synthetic (what it cannot settle scores 0). verify_timeout_s,
+    verify_workers, verify_mem_mb: the deadline of one math-verify call, the number of worker
+    processes, the memory cap of each.
     code_limits: sandbox limits (run_tests keywords); code_workers: sandbox runs at a time.
     judge, judge_on ("rejected" or "passed"), judge_timeout_s, judge_workers: see stage 5.
     """
@@ -499,7 +532,7 @@ class Cascade:
         return ("empty_answer", None) if normalize_answer(pred) == "" else (None, pred)
 
     def _exact(self, problems, preds, res) -> tuple:
-        """Stage 3: a normalized match is a clear pass. Returns (indices to verify, indices to judge)."""
+        """Stage 3: cheap_verdict settles the clear cases. Returns (indices to verify, indices to judge)."""
         to_verify, to_judge = [], []
         for i, pred in preds.items():
             p = problems[i]
@@ -507,13 +540,13 @@ class Cascade:
                 (to_verify if p.task == "code" else to_judge).append(i)
                 continue
             res.reached["exact"] += 1
-            gold = normalize_answer(p.answer)
-            if gold and normalize_answer(pred) == gold:
-                self._settle(res, i, "exact", 1.0, to_judge)
-            elif gold and self.math_verify and p.task in MATH_TASKS:
+            verdict = cheap_verdict(pred, p.answer)
+            if verdict is None and self.math_verify and p.task in MATH_VERIFY_TASKS:
                 to_verify.append(i)
-            else:  # synthetic, math_verify off, or no reference answer: nothing more to try
-                self._settle(res, i, "exact", 0.0, to_judge)
+                continue
+            gold = normalize_answer(p.answer)  # settled here; or not, with math_verify off: that scores 0
+            res.by_value += verdict is not None and gold != "" and normalize_answer(pred) != gold
+            self._settle(res, i, "exact", float(bool(verdict)), to_judge)
         return to_verify, to_judge
 
     def _settle(self, res, i, stage, reward, to_judge, cost=0.0) -> None:

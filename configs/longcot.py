@@ -21,12 +21,13 @@ sft_noise = 0.6
 prompts_per_step = 8
 group_size = 8
 max_new_tokens = 224
-lr = 1e-4
-steps = 30
+lr = 2e-4
+steps = 24
 warmup_steps = 3
+refill_tries = 1        # one refill at most: a long-CoT rollout is the expensive part of a step
 micro_batch = 16
-eval_every = 10
-save_every = 10
+eval_every = 8
+save_every = 8
 # stage 2: the p5-held schedule. Calibrated on the warm start before step 0 (calibrate.py's sweep, written to
 # out_dir/kv_schedule.json), then held at p5 alpha >= 0.86 per bin by the controller. Pages of 8 tokens, bins of
 # 8 pages (64 tokens: Sparrow's 2,048-token bins scaled to the task), the first of the 4 layers dense.

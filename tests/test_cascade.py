@@ -50,22 +50,44 @@ def test_stage_counts_on_a_hand_made_batch(cascade):
              (half, "no box at all"),            # cheap: no answer
              (half, "   "),                      # cheap: empty
              (gsm, "so 72\n#### 72.0"),          # exact after normalization
-             (gsm, "#### 71"),                   # verify: fail
+             (gsm, "#### 71"),                   # exact: two integers that differ, a clear fail
              (gsm, "#### 72 " + "x" * 200),      # cheap: over max_chars
              (gsm, None)]                        # not a string: empty
     res = score(cascade, batch, group_size=2)  # 5 groups of 2
     assert res.rewards == [1, 1, 1, 0, 0, 0, 1, 0, 0, 0]
-    assert res.stages == ["exact", "dedup", "verify", "verify", "cheap", "cheap", "exact", "verify", "cheap", "cheap"]
-    assert res.reached == {"dedup": 10, "cheap": 9, "exact": 5, "verify": 3, "judge": 0}
-    assert res.dedup_saved == 1 and res.saved_expensive == 0
+    assert res.stages == ["exact", "dedup", "verify", "verify", "cheap", "cheap", "exact", "exact", "cheap", "cheap"]
+    assert res.reached == {"dedup": 10, "cheap": 9, "exact": 5, "verify": 2, "judge": 0}
+    assert res.dedup_saved == 1 and res.saved_expensive == 0 and res.by_value == 1
     assert res.cheap_fail == {"no_answer": 1, "empty": 2, "too_long": 1}
     assert res.errors == 0 and res.timeouts == 0
     assert res.cost_s[2] > 0 and res.cost_s[0] == 0.0
     s = res.summary()
-    assert s["reach_exact"] == 0.5 and s["reach_verify"] == 0.3 and s["reach_judge"] == 0.0
-    assert s["dedup_saved"] == 0.1 and s["cheap_fail"] == 0.4
+    assert s["reach_exact"] == 0.5 and s["reach_verify"] == 0.2 and s["reach_judge"] == 0.0
+    assert s["dedup_saved"] == 0.1 and s["cheap_fail"] == 0.4 and s["by_value"] == 0.1
     assert s["t_reward"] >= s["t_verify"] > 0
     assert set(res.time_s) == set(STAGES)
+
+
+def test_integers_settle_by_value_and_math_verify_takes_the_rest(cascade):
+    nine, gsm = Problem("q", "9", "synthetic"), Problem("q", "1200", "gsm8k")
+    batch = [(nine, "a=4>4 b=5>9 #9"),    # exact: the same string
+             (nine, "a=4>4 b=5>9 #09"),   # exact by value: pass
+             (nine, "a=4>4 b=5>9 #7"),    # exact by value: fail
+             (nine, "a=4>4 b=5>9 #9>"),   # not an integer: math-verify reads 9, a pass
+             (nine, "a=4>4 b=5>9 #x"),    # not an integer: math-verify, a fail
+             (gsm, "#### 1,200"),         # exact after normalization
+             (gsm, "#### 1300"),          # exact by value: fail
+             (gsm, "#### 1200.5")]        # a decimal: math-verify, a fail
+    res = score(cascade, batch)
+    assert res.rewards == [1, 1, 0, 1, 0, 1, 0, 0]
+    assert res.stages == ["exact"] * 3 + ["verify"] * 2 + ["exact"] * 2 + ["verify"]
+    assert res.reached["exact"] == 8 and res.reached["verify"] == 3 and res.by_value == 3
+    assert res.summary()["by_value"] == 3 / 8 and res.summary()["reach_verify"] == 3 / 8
+    res = score(cascade, [(Problem("q", "", "synthetic"), "#5")])  # no reference: a zero, not settled by value
+    assert res.rewards == [0.0] and res.stages == ["exact"] and res.by_value == 0
+    with Cascade(math_verify=False) as c:  # stage 3 alone: what it cannot settle scores 0
+        res = score(c, batch)
+    assert res.rewards == [1, 1, 0, 0, 0, 1, 0, 0] and set(res.stages) == {"exact"} and res.reached["verify"] == 0
 
 
 def test_dedup_is_within_a_group_only(cascade):

@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from prompts import Problem, make_synthetic  # noqa: E402
 from reward import (  # noqa: E402
-    extract_answer, extract_boxed, extract_hash_answer, extract_synthetic, last_number,
+    cheap_verdict, extract_answer, extract_boxed, extract_hash_answer, extract_synthetic, last_number,
     normalize_answer, score, score_one,
 )
 
@@ -84,12 +84,25 @@ def test_normalize_answer(raw, want):
     assert normalize_answer(raw) == want
 
 
+@pytest.mark.parametrize("pred,gold,want", [
+    ("72", "72", True), ("072", "72", True), ("-0", "0", True), ("5.0", "5", True), ("1,200", "1200", True),
+    ("71", "72", False), ("-72", "72", False), ("", "3", False), ("3", "", False), (None, "3", False),
+    (r"\frac{1}{2}", r"\frac{1}{2}", True),  # equal strings settle anything
+    ("0.5", r"\frac{1}{2}", None), ("0.3333333", "0.333333", None), ("9>", "9", None), ("4+5", "9", None),
+    ("1" + "0" * 5000, "0" + "1" + "0" * 5000, True),  # longer than int() takes
+])
+def test_cheap_verdict(pred, gold, want):
+    assert cheap_verdict(pred, gold) is want
+
+
 def test_score_synthetic_right_and_wrong():
     p = make_synthetic(1, seed=3, difficulty=5)[0]
     assert score_one(p, p.meta["trace"]) == 1.0
     wrong = (int(p.answer) + 1) % 10
     assert score_one(p, p.meta["trace"].rsplit("#", 1)[0] + f"#{wrong}") == 0.0
     assert score_one(p, "no answer at all") == 0.0
+    assert score_one(p, p.meta["trace"].rsplit("#", 1)[0] + f"#0{p.answer}") == 1.0  # equal as integers
+    assert score_one(p, p.meta["trace"] + ">") == 0.0  # only math-verify (in the Cascade) reads "9>"
 
 
 def test_score_gsm8k():
