@@ -441,7 +441,7 @@ def bench_signal(quick, cmd):
 
 # ----------------------------------------------------------------------------- stage 2 in the loop: Sparrow
 
-SPARROW_FIXED = 4  # pages of 8 tokens per decode step for arm (b): mean alpha stays high, its tail does not
+SPARROW_FIXED = 8  # pages of 8 tokens per decode step for arm (b): below what calibration asks of the later bins
 
 
 def sparrow_arms(fixed):

@@ -50,6 +50,7 @@ class Config:
     sft_lr: float = 1e-3
     sft_noise: float = 0.0  # fraction of teacher traces that end with the wrong convention (see teacher_trace)
     sft_difficulty: tuple = ()  # synthetic warm start: range of chain lengths for SFT (empty: difficulty)
+    sft_init: str = ""  # synthetic warm start: SFT from a checkpoint, or from a config file's own warm start, not scratch
     # rollout
     prompts_per_step: int = 32
     group_size: int = 8

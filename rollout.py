@@ -23,7 +23,9 @@ What one call does:
        page_size - 1 tokens per row, against a whole prompt).
     2. Decode: one query token per live row. Each layer writes the new key and value into the row's last page
        (a fresh page from the free list when the last one is full) and calls `decode_attention` from
-       kernels/block_sparse_decode.py: the Triton kernel on a GPU, its PyTorch reference on a CPU.
+       kernels/block_sparse_decode.py: the Triton kernel on a GPU. On a CPU, dense decode gathers every cached
+       token and runs fused SDPA (the gather's slots are built once per step, for all layers); sparse decode
+       runs the kernel's PyTorch reference.
     3. Dense decode reads every page. Sparse decode (`sparse=` a budget function from sparsity.py) reads, in
        each layer past the first `dense_layers`, the pages that `sparsity.select_pages` picks from the page
        metadata (mean key, and min/max keys for Quest), which a sparse engine writes once, when a page fills.
@@ -39,7 +41,8 @@ What one call does:
 Options (Engine keywords): page_size=16; sparse=False or a budget function; scorer="centroid" | "quest";
 keep_first=1, keep_recent=2, dense_layers=2 (sparse only); share_prefix=True (False prefills every row on its
 own, the baseline); num_pages=None (the pool's size; None is the call's worst case); topk_logprobs=0 (k > 0
-fills ro.topk_logp and ro.topk_ids; padding positions hold -inf and token 0).
+fills ro.topk_logp and ro.topk_ids; padding positions hold -inf and token 0); record_pages=False (sparse only:
+fills ro.read_pages with every selection, which distill.ReplayCache replays in a training forward).
 Timings: prefill_s, decode_s, new_tokens; prefill_calls, prefill_tokens and prefill_tokens_naive (what
 prefilling every row would cost); pages_read and pages_dense (KV pages read by decode attention, summed over
 steps, rows and layers, and what dense decode reads); pages_total, pages_peak, pages_free_end (the pool).
@@ -66,7 +69,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.block_sparse_decode import decode_attention
+from kernels.block_sparse_decode import decode_attention, dense_slots
 from sparsity import centroid_scores, page_metadata, pages_to_read, quest_scores, select_pages
 
 PREFILL_TOKENS = 16384  # padded tokens per prefill forward: bounds the activations of a long batch
@@ -86,6 +89,8 @@ class Rollouts:
     budget_dense: torch.Tensor = None  # (N, T) pages cached at that step: what dense decode reads
     topk_logp: torch.Tensor = None  # (N, T, k) fp32 top-k log-probs of the rollout distribution, or None (k = 0)
     topk_ids: torch.Tensor = None  # (N, T, k) their token ids (descending log-prob), or None
+    read_pages: torch.Tensor = None  # (N, T, sparse layers, H_kv, pages) bool: the logical pages each sparse layer
+    # and KV head read for the step that produced each token (record_pages=True); all False at position 0 (prefill)
 
     def __len__(self):
         return self.tokens.shape[0]
@@ -115,6 +120,7 @@ class PagedKVCache:
         self.peak = 0
         self.budget, self.scorer, self.keep_first, self.keep_recent = budget, scorer, keep_first, keep_recent
         self.dense_layers = dense_layers
+        self.record = None  # a list to record (step, rows, layer, sel, n_sel) of every sparse selection into
 
     # ---- bookkeeping
 
@@ -194,6 +200,8 @@ class PagedKVCache:
         self._dst = torch.tensor([p * ps + n % ps for p, n in zip(last, lens)], device=dev)  # (B,) token slots
         self._seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev) + 1  # (B,)
         self._table = self.table[torch.tensor(rows, device=dev), :max(self.n_pages)]  # (B, P) only pages in use
+        # dense decode off the GPU gathers every cached token: its slots are built once, for every layer
+        self._slots = None if self.table.is_cuda else dense_slots(self._table, self._seq_lens, ps)
         self._filled = torch.tensor(filled, dtype=torch.long, device=dev) if filled else None
         self.n_read = self.n_pages
         if self.budget is not None:
@@ -223,7 +231,10 @@ class PagedKVCache:
         sel = n_sel = None  # dense: every page
         if self.budget is not None and layer >= self.dense_layers:
             sel, n_sel = self._select(layer, q[:, :, 0])
-        y = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], self._table, self._seq_lens, sel, n_sel)
+            if self.record is not None:
+                self.record.append((self.step, self._rows, layer, sel, n_sel))
+        y = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], self._table, self._seq_lens, sel, n_sel,
+                             slots=self._slots)
         return y[:, :, None]  # (B, Hq, 1, D)
 
     def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
@@ -266,7 +277,7 @@ def sample(logits, temperature, top_p, gen):
 class Engine:
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(), eos_ids=None,
                  page_size=16, sparse=False, scorer="centroid", keep_recent=2, dense_layers=2, keep_first=1,
-                 share_prefix=True, num_pages=None, topk_logprobs=0):
+                 share_prefix=True, num_pages=None, topk_logprobs=0, record_pages=False):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop = [s for s in stop if s]
@@ -291,6 +302,7 @@ class Engine:
         if not (isinstance(topk_logprobs, int) and 0 <= topk_logprobs <= V):
             raise ValueError(f"topk_logprobs must be an int in [0, vocab_size={V}], got {topk_logprobs!r}")
         self.topk = topk_logprobs
+        self.record_pages = record_pages and self.budget is not None
 
     def _check_lengths(self, prompt_ids):
         for i, p in enumerate(prompt_ids):
@@ -358,6 +370,7 @@ class Engine:
         N, ps, L = len(prompt_ids) * group_size, self.page_size, model.config.num_hidden_layers
         groups = self._groups(prompt_ids, group_size)
         cache = self._new_cache(groups, N)
+        cache.record = [] if self.record_pages else None
         t0 = time.perf_counter()
         logits, calls = self._prefill(cache, groups, N)
         t1 = time.perf_counter()
@@ -399,6 +412,7 @@ class Engine:
                 if not live:
                     break
             cache.begin_decode(live)
+            cache.step = step + 1  # the completion position this forward produces
             for j, r in enumerate(live):
                 budget[r].append(cache.n_read[j])
                 dense[r].append(cache.n_pages[j])
@@ -416,7 +430,19 @@ class Engine:
         ro = self._pack(prompt_ids, group_size, out, lps, finish, timings, budget, dense)
         if self.topk:
             ro.topk_logp, ro.topk_ids = self._pack_topk(topk, N, ro.tokens.shape[1])
+        if self.record_pages:
+            ro.read_pages = self._pack_pages(cache, N, ro.tokens.shape[1])
         return ro
+
+    def _pack_pages(self, cache, N, T):
+        """The recorded selections -> (N, T, sparse layers, H_kv, P) bool, what distill.ReplayCache replays."""
+        L, dl, P = self.model.config.num_hidden_layers, self.dense_layers, cache.table.shape[1]
+        out = torch.zeros(N, T, max(0, L - dl), cache.H, P + 1, dtype=torch.bool)  # column P: padding
+        for step, rows, layer, sel, n_sel in cache.record:
+            valid = torch.arange(sel.shape[-1], device=sel.device) < n_sel[..., None]  # (B, H_kv, S)
+            idx = torch.where(valid, sel.long(), P).cpu()
+            out[torch.tensor(rows)[:, None, None], step, layer - dl, torch.arange(cache.H)[None, :, None], idx] = True
+        return out[..., :P]
 
     def _pack_topk(self, topk, N, T):
         """Per-step top-k of the live rows -> (N, T, k) values and ids. Every live row samples one token per step,

@@ -334,19 +334,22 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
     budget, but earlier steps' budgets reach it through the keys and values that sparse layers wrote and
     through the tokens sampled. The online Controller corrects what this leaves.
     The sweep stops at the first candidate at which every bin with tokens has passed. A bin without tokens at
-    any candidate copies the bin before it; `monotone` lifts each bin to at least the one before it (the tail
+    any candidate copies the bin before it; one that failed while it had tokens and has none at the largest
+    candidate (sparse rollouts that ran long where dense ones stop) gets the largest candidate; `monotone` lifts each bin to at least the one before it (the tail
     worsens with length; lifting never breaks a bin's threshold). A bin that no candidate satisfies is an
     error: include a candidate at least as large as the bin's cached pages, which reads it densely."""
     cands = sorted({int(c) for c in candidates})
     if not cands or cands[0] < 1:
         raise ValueError(f"calibrate: candidates must be page counts >= 1, got {candidates}")
     chosen, best, seen = [None] * bins, [float("nan")] * bins, [False] * bins
+    last = [True] * bins  # whether the bin had tokens at the latest candidate
     for c in cands:
         p5 = [float(x) for x in measure([c] * bins)]
         if len(p5) < bins:
             raise ValueError(f"calibrate: measure returned {len(p5)} bins, expected {bins}")
         for b in range(bins):
-            if math.isnan(p5[b]):
+            last[b] = not math.isnan(p5[b])
+            if not last[b]:
                 continue
             best[b] = max(best[b], p5[b]) if seen[b] else p5[b]
             seen[b] = True
@@ -354,6 +357,9 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
                 chosen[b] = c
         if all(ch is not None or not s for ch, s in zip(chosen, seen)) and any(seen):
             break
+    for b in range(bins):  # failed while it had tokens, then lost them (rollouts got shorter): the safe side
+        if seen[b] and chosen[b] is None and not last[b]:
+            chosen[b] = cands[-1]
     fail = [(b, round(best[b], 4)) for b in range(bins) if seen[b] and chosen[b] is None]
     if fail:
         raise ValueError(f"calibrate: bins (bin, best p5) {fail} stay below {threshold} at the largest candidate "

@@ -225,7 +225,7 @@ def warm_start(cfg, tok, dev, log):
     import prompts
     from model import Transformer
     key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn", "difficulty", "order",
-                                        "sft_steps", "sft_batch", "sft_lr", "sft_noise", "sft_difficulty")}
+                                        "sft_steps", "sft_batch", "sft_lr", "sft_noise", "sft_difficulty", "sft_init")}
     path = os.path.join(cfg.out_dir, "warmstart")
     try:
         with open(os.path.join(path, "sft_key.json")) as f:
@@ -235,7 +235,12 @@ def warm_start(cfg, tok, dev, log):
     except FileNotFoundError:
         pass
     torch.manual_seed(cfg.seed)
-    model = Transformer(tiny_model_config(cfg, tok)).to(dev)
+    if cfg.sft_init.endswith(".py"):  # a curriculum: that config's warm start (built or cached) first, then this SFT
+        model = warm_start(parse_config([cfg.sft_init, f"--seed={cfg.seed}"]), tok, dev, log)
+    elif cfg.sft_init:  # or any checkpoint of the same tokenizer
+        model = Transformer.from_pretrained(cfg.sft_init, device=dev)
+    else:
+        model = Transformer(tiny_model_config(cfg, tok)).to(dev)
     data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000, cfg.sft_difficulty or cfg.difficulty,
                                   cfg.order)  # a wider range than RL's teaches long chains faster (configs/longcot.py)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -743,7 +748,7 @@ def main(argv):
         cfg._ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     cfg._replica = shard(cfg, model, dev) if cfg.fsdp else None
     full = cfg._replica or model  # full weights: what the engines read
-    budget = kv_budget(cfg, full.eval(), tok, train_ids, log)
+    budget = kv_budget(cfg, full, tok, train_ids, log)
     if cfg.distill_r:
         cfg._distill = make_distill(cfg, full, budget, world)
     rollout_model = cfg._distill.model if cfg._distill is not None else make_rollout(cfg, full)

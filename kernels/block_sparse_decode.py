@@ -38,6 +38,9 @@ Simplifications and rules:
    the probabilities are rounded to it before P @ V, as in FlashAttention. Other caches (fp32, fp8)
    and the interpreter compute in fp32 throughout, with exact ("ieee") fp32 dots.
 5. One page table per sequence, shared by all KV heads; the selection may differ per KV head.
+6. Without Triton (CPU tensors, or use_triton=False), dense decode (sel=None) takes a faster PyTorch
+   path than the reference: one gather of every cached token per cache, then fused SDPA
+   (`dense_decode_ref`). Same contract.
 
 Run the benchmark with `python -m kernels.block_sparse_decode` (CUDA: kernel vs SDPA vs
 FlexAttention; CPU: the PyTorch reference only). Tests: `python -m pytest tests/test_kernel.py`,
@@ -49,6 +52,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -293,13 +297,19 @@ def dense_selection(page_table, seq_lens, num_kv_heads, page_size):
 
 
 def decode_attention(q, k_cache, v_cache, page_table, seq_lens, sel=None, n_sel=None, scale=None,
-                     use_triton=None, num_splits=None):
+                     use_triton=None, num_splits=None, slots=None):
     """What the rollout engine calls. sel=None means dense (every page). use_triton=None picks the
-    Triton kernel for CUDA tensors and the PyTorch reference elsewhere; True or False forces one."""
-    if sel is None:
-        sel, n_sel = dense_selection(page_table, seq_lens, k_cache.shape[2], k_cache.shape[1])
+    Triton kernel for CUDA tensors and the PyTorch path elsewhere; True or False forces one. Off
+    Triton, dense decode goes to `dense_decode_ref`; `slots` = dense_slots(...) lets a caller that
+    runs every layer over one page table build the gather once."""
     if use_triton is None:
         use_triton = q.is_cuda
+    if sel is None and not use_triton:
+        if slots is None:
+            slots = dense_slots(page_table, seq_lens, k_cache.shape[1])
+        return dense_decode_ref(q, k_cache, v_cache, *slots, scale)
+    if sel is None:
+        sel, n_sel = dense_selection(page_table, seq_lens, k_cache.shape[2], k_cache.shape[1])
     if use_triton:
         return block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale, num_splits)
     return block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
@@ -351,6 +361,32 @@ def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_se
     return out.view(B, H_q, D).to(q.dtype)
 
 
+def dense_slots(page_table, seq_lens, page_size):
+    """What dense decode reads: slots (B, T) rows of the cache viewed as (num_pages * page_size, H_kv,
+    D), T = max_pages * page_size, and ok (B, T), True at the cached tokens. The other slots point at
+    the sequence's first token, a real value (the cache may hold NaN elsewhere, and 0 * NaN is NaN)."""
+    B, max_pages = page_table.shape
+    pos = torch.arange(max_pages * page_size, device=page_table.device)
+    ok = pos < seq_lens.long()[:, None]
+    slots = page_table.long()[:, pos // page_size] * page_size + pos % page_size  # (B, T)
+    first = torch.where(seq_lens > 0, slots[:, 0], 0)  # an empty row's table may hold anything
+    return torch.where(ok, slots, first[:, None]), ok
+
+
+def dense_decode_ref(q, k_cache, v_cache, slots, ok, scale=None):
+    """Dense decode in PyTorch, the CPU fast path: one gather of every cached token (all KV heads at
+    once) per cache, then fused SDPA in fp32, with the G query heads of a KV head as G query positions
+    (no GQA copies of K and V). slots, ok from `dense_slots`. Returns (B, H_q, D) in q's dtype."""
+    B, H_q, D = q.shape
+    H_kv = k_cache.shape[2]
+    k = k_cache.reshape(-1, H_kv, D).index_select(0, slots.view(-1)).view(B, -1, H_kv, D).transpose(1, 2)
+    v = v_cache.reshape(-1, H_kv, D).index_select(0, slots.view(-1)).view(B, -1, H_kv, D).transpose(1, 2)
+    qg = q.reshape(B, H_kv, H_q // H_kv, D).float()  # (B, H_kv, G, D): the GQA group of each KV head
+    out = F.scaled_dot_product_attention(qg, k.float(), v.float(), attn_mask=ok[:, None, None], scale=scale)
+    out = torch.where(ok[:, :1, None, None], out, 0.0)  # an empty sequence (no first token) outputs zeros
+    return out.view(B, H_q, D).to(q.dtype)
+
+
 # -----------------------------------------------------------------------------
 # Benchmark
 
@@ -387,7 +423,6 @@ def _bytes_read(k_cache, page_table, seq_lens, sel, n_sel):
 
 def _bench_cuda(configs):
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    import torch.nn.functional as F
 
     flex = torch.compile(flex_attention, dynamic=False)
     print(f"{'B':>3} {'Hkv':>3} {'G':>2} {'D':>4} {'ctx':>6} {'pages':>6} | "
@@ -435,7 +470,7 @@ def _bench_cuda(configs):
 def _bench_cpu():
     import time
 
-    print("no CUDA: timing the PyTorch reference only (the CPU path of decode_attention)")
+    print("no CUDA: timing the PyTorch reference only (the CPU path of sparse decode_attention)")
     for budget in (8, 32, 128):  # 128 pages of 16 = the whole 2,048-token context: dense
         problem = _make_problem(4, 2, 4, 64, 16, 2048, budget, torch.float32, "cpu")
         block_sparse_decode_ref(*problem)  # warm up

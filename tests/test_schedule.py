@@ -185,3 +185,11 @@ def test_schedule_file_round_trip_and_page_size_check(tmp_path):
     assert s.table == [3, 4, 6] and s.bin_pages == 8 and s.threshold == 0.9 and s(100) == 6
     with pytest.raises(ValueError, match="page_size=8"):
         calibrate.load_schedule(str(tmp_path / "s.json"), page_size=16)
+
+
+def test_calibrate_gives_a_bin_that_loses_its_tokens_the_largest_candidate():
+    nan = float("nan")
+    table = {1: [0.9, 0.5], 2: [0.95, 0.6], 4: [0.97, nan]}  # bin 1 fails, then has no tokens at 4
+    assert calibrate(lambda t: table[t[0]], 2, [1, 2, 4], threshold=0.86) == [1, 4]
+    with pytest.raises(ValueError, match="bins"):  # measured at the largest candidate and still failing: an error
+        calibrate(lambda t: [0.9, 0.5], 2, [1, 2, 4], threshold=0.86)
