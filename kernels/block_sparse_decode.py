@@ -350,14 +350,9 @@ def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_se
     k = k_cache.reshape(-1, D).index_select(0, flat).view(B, H_kv, S * P, D).float()
     v = v_cache.reshape(-1, D).index_select(0, flat).view(B, H_kv, S * P, D).float()
 
-    qg = q.float().view(B, H_kv, G, D)  # the GQA group of each KV head
-    s = (qg @ k.transpose(-1, -2)) * scale  # (B, H_kv, G, S * P)
-    s = s.masked_fill(~tok_ok, float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(m == float("-inf"), 0.0, m)  # nothing valid: p = 0 everywhere, output 0
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    out = torch.where(l > 0, (p @ v) / l.clamp(min=1e-30), 0.0)  # (B, H_kv, G, D); an empty row's gather may be junk
+    qg = q.float().view(B, H_kv, G, D)  # the GQA group of each KV head, as G query positions
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=tok_ok, scale=scale)  # (B, H_kv, G, D)
+    out = torch.where(tok_ok.any(-1, keepdim=True), out, 0.0)  # nothing valid (an empty row or selection): 0
     return out.view(B, H_q, D).to(q.dtype)
 
 
