@@ -7,7 +7,7 @@ machine, printed as a markdown table whose rows name the hardware and the comman
     python bench.py rollout --write-readme    # also rewrite README.md between <!-- bench:rollout --> markers
 
     python bench.py signal --write-readme     # stages 1 and 3: 3 seeds x 2 short default runs (10-16 minutes)
-    python bench.py sparrow --write-readme    # stage 2 in the loop: four long-CoT runs, and assets/sparrow.png
+    python bench.py sparrow --write-readme    # stage 2 in the loop: five long-CoT runs, and assets/sparrow.png
 
 Sections (one function each, `bench_<name>`; later stages add theirs):
     signal   the embedded default with growth-zone and dynamic sampling against uniform sampling that trains on
@@ -21,7 +21,8 @@ Sections (one function each, `bench_<name>`; later stages add theirs):
              (e) the cost model (sparsity.rollout_cost) next to the engine: predicted and measured decode
                  speedup of a sparse schedule on this machine, and the prediction for Qwen3-1.7B on an H200
     sparrow  the miniature Sparrow experiment on configs/longcot.py, from one warm start, seed and step count:
-             (a) dense, (b) a fixed aggressive budget, (c) the p5-held schedule, (d) (c) + DistillSparse;
+             (a) dense, (b) a fixed aggressive budget, (c) the p5-held schedule, (d) (c) + DistillSparse,
+             (e) (b) + DistillSparse;
              reward, held-out accuracy, mean and p5 alpha per bin, pages read, rollout time, in-run speedup
 
 Simplifications:
@@ -449,6 +450,8 @@ def sparrow_arms(fixed):
             f"(b) fixed {fixed} pages": [f"--kv_budget=table:{fixed}", "--kv_controller=false", "--kv_compare_every=5"],
             "(c) p5-held schedule": ["--kv_budget=calibrate", "--kv_controller=true", "--kv_compare_every=5"],
             "(d) (c) + DistillSparse": ["--kv_budget=calibrate", "--kv_controller=true", "--kv_compare_every=5",
+                                        "--distill_r=8"],
+            "(e) (b) + DistillSparse": [f"--kv_budget=table:{fixed}", "--kv_controller=false", "--kv_compare_every=5",
                                         "--distill_r=8"]}
 
 
@@ -489,15 +492,16 @@ def sparrow_plot(results, path, threshold):
         a.set_title(t)
         a.legend(fontsize=7)
     ax[0].set_xlabel("step"), ax[1].set_xlabel("step (-1: the warm start)")
-    ax[2].set_xlabel("bin of cached length (kv_bin_pages pages each); dotted: the threshold")
+    ax[2].set_xlabel("bin of cached length; dotted: the threshold")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def bench_sparrow(quick, cmd):
-    """The miniature Sparrow experiment on the CPU long-CoT task (configs/longcot.py): four runs from the same warm
+    """The miniature Sparrow experiment on the CPU long-CoT task (configs/longcot.py): five runs from the same warm
     start, seed and steps, (a) dense, (b) a fixed aggressive budget, (c) the p5-held schedule (calibrated at the
-    start, then the controller), (d) (c) with DistillSparse. Writes assets/sparrow.png and the table."""
+    start, then the controller), (d) (c) with DistillSparse, (e) (b) with DistillSparse: what the adapter does to
+    the tail at a budget that misses the threshold. Writes assets/sparrow.png and the table."""
     import shutil
     import train
     hw = hardware()
