@@ -6,7 +6,7 @@ machine, printed as a markdown table whose rows name the hardware and the comman
     python bench.py rollout --quick           # smaller sizes: a smoke run of the same code (under a minute)
     python bench.py rollout --write-readme    # also rewrite README.md between <!-- bench:rollout --> markers
 
-    python bench.py signal --write-readme     # stages 1 and 3: 3 seeds x 2 short default runs (10-16 minutes)
+    python bench.py signal --write-readme     # stages 1 and 3: 3 seeds x 4 short default runs (about 20 minutes)
     python bench.py sparrow --write-readme    # stage 2 in the loop: five long-CoT runs, and assets/sparrow.png
 
 Sections (one function each, `bench_<name>`; later stages add theirs):
@@ -380,33 +380,52 @@ def run_summary(history):
             "acc0": history["acc0"], "acc": [r["acc"] for r in recs if "acc" in r][-1], "steps": len(recs)}
 
 
+SIGNAL_VARIANTS = {"with refills": [], "without refills": ["--refill_tries=0"]}  # ours, as dynamic sampling is set
+
+
 def bench_signal(quick, cmd):
     """Stages 1 and 3: growth-zone sampling with dynamic sampling (ours) against uniform sampling that trains on
     every group (baseline), at the same number of rollouts, from the same warm start, for seeds 0, 1 and 2 (a seed
     sets the warm start, the pools and the sampling). The embedded default, stopped at 12 of its 60 steps and
-    scored on 500 held-out problems: at 60 steps both arms reach 0.98-1.00, which compares nothing."""
+    scored on 500 held-out problems: at 60 steps both arms reach 0.98-1.00, which compares nothing. Ours runs
+    twice, as the default (refilled up to refill_tries = 2 times) and without refills (refill_tries = 0: groups
+    without spread are dropped and the step trains short), each against its own rollout-matched baseline."""
     import shutil
     import train
     hw = hardware()
     seeds = (0,) if quick else (0, 1, 2)
     args = ["--plot=false", "--eval_every=1000"] + (["--steps=6", "--sft_steps=60", "--n_eval=50"] if quick
                                                     else ["--steps=12", "--n_eval=500"])
-    runs, wall = {"ours": [], "base": []}, {"ours": 0.0, "base": 0.0}
+    rows = []
     root = tempfile.mkdtemp(prefix="zeros-bench-signal-")
     try:
-        for seed in seeds:
-            a = args + [f"--seed={seed}"]
-            cfg = train.parse_config(a + [f"--out_dir={root}/{seed}"])
-            train.build_policy(cfg, torch.device("cpu"), print)  # the warm start (SFT), shared, outside the timing
-            for arm in ("ours", "base"):
-                extra = [] if arm == "ours" else ["--sampler=uniform", "--dynamic_sampling=false", "--steps=%d" % max(
-                    1, round(runs["ours"][-1]["rollouts"] / (cfg.prompts_per_step * cfg.group_size)))]  # same rollouts
-                shutil.copytree(f"{root}/{seed}/warmstart", f"{root}/{seed}-{arm}/warmstart")
-                t = time.perf_counter()
-                runs[arm].append(run_summary(train.main(a + [f"--out_dir={root}/{seed}-{arm}"] + extra)))
-                wall[arm] += time.perf_counter() - t
+        for seed in seeds:  # the warm start (SFT) of each seed, shared by every run of it, outside the timing
+            cfg = train.parse_config(args + [f"--seed={seed}", f"--out_dir={root}/{seed}"])
+            train.build_policy(cfg, torch.device("cpu"), print)
+        for variant, ours_args in SIGNAL_VARIANTS.items():
+            runs, wall = {"ours": [], "base": []}, {"ours": 0.0, "base": 0.0}
+            for seed in seeds:
+                a = args + [f"--seed={seed}"]
+                for arm in ("ours", "base"):
+                    if arm == "ours":
+                        extra = ours_args
+                    else:  # as many steps as ours' rollouts make: the same number of rollouts
+                        same = max(1, round(runs["ours"][-1]["rollouts"] / (cfg.prompts_per_step * cfg.group_size)))
+                        extra = ["--sampler=uniform", "--dynamic_sampling=false", f"--steps={same}"]
+                    out = f"{root}/{seed}-{variant}-{arm}".replace(" ", "_")
+                    shutil.copytree(f"{root}/{seed}/warmstart", f"{out}/warmstart")
+                    t = time.perf_counter()
+                    runs[arm].append(run_summary(train.main(a + [f"--out_dir={out}"] + extra)))
+                    wall[arm] += time.perf_counter() - t
+            rows += signal_rows(runs, wall, seeds, train.parse_config(args).steps, variant, hw, cmd)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    for r in rows:
+        print(r, flush=True)
+    return rows
+
+
+def signal_rows(runs, wall, seeds, steps, variant, hw, cmd):
     o, b = runs["ours"], runs["base"]
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
 
@@ -418,26 +437,23 @@ def bench_signal(quick, cmd):
         return "; ".join(each) if len(set(each)) > 1 else each[0] + (" per seed" if len(rs) > 1 else "")
 
     n_o, n_b = sum(r["rollouts"] for r in o), sum(r["rollouts"] for r in b)
-    sub = "growth zone + dynamic sampling vs uniform, every group trained"
+    sub = f"growth zone + dynamic sampling {variant} vs uniform, every group trained"
     per = f"mean over seeds {', '.join(map(str, seeds))} (each seed)" if len(seeds) > 1 else f"seed {seeds[0]}"
-    steps = train.parse_config(args).steps
-    rows = [f"| rollouts generated ({sub}; {per}) | {spent(o)} | {spent(b)} | {n_o / n_b:.2f}x | equal | {hw} "
+    v = f"[{variant}] "
+    return [f"| {v}rollouts generated ({sub}; {per}) | {spent(o)} | {spent(b)} | {n_o / n_b:.2f}x | equal | {hw} "
             f"| `{cmd}` |",
-            f"| trained groups with zero advantage | {cell(o, 'zero_adv', '.1%')} | {cell(b, 'zero_adv', '.1%')} | "
+            f"| {v}trained groups with zero advantage | {cell(o, 'zero_adv', '.1%')} | {cell(b, 'zero_adv', '.1%')} | "
             f"| <= 5% | {hw} | `{cmd}` |",
-            f"| completions that reach the expensive verifier (math-verify) | {cell(o, 'verify', '.1%')} | "
+            f"| {v}completions that reach the expensive verifier (math-verify) | {cell(o, 'verify', '.1%')} | "
             f"{cell(b, 'verify', '.1%')} | | <= 50% | {hw} | `{cmd}` |",
-            f"| completions whose answer fails the string match but is settled as an integer (without that rule, they "
-            f"would reach the verifier) | {cell(o, 'by_value', '.1%')} | {cell(b, 'by_value', '.1%')} | | | {hw} | "
+            f"| {v}completions whose answer fails the string match but is settled as an integer (without that rule, "
+            f"they would reach the verifier) | {cell(o, 'by_value', '.1%')} | {cell(b, 'by_value', '.1%')} | | | {hw} | "
             f"`{cmd}` |",
-            f"| held-out greedy accuracy after ours' {steps} steps, warm start {cell(o, 'acc0', '.3f')} | "
+            f"| {v}held-out greedy accuracy after ours' {steps} steps, warm start {cell(o, 'acc0', '.3f')} | "
             f"{cell(o, 'acc', '.3f')} | {cell(b, 'acc', '.3f')} | {mean(o, 'acc') - mean(b, 'acc'):+.3f} | "
             f"at least as good | {hw} | `{cmd}` |",
-            f"| wall time, warm starts not counted | {wall['ours']:.0f} s | {wall['base']:.0f} s | "
+            f"| {v}wall time, warm starts not counted | {wall['ours']:.0f} s | {wall['base']:.0f} s | "
             f"{wall['ours'] / wall['base']:.2f}x | | {hw} | `{cmd}` |"]
-    for r in rows:
-        print(r, flush=True)
-    return rows
 
 
 # ----------------------------------------------------------------------------- stage 2 in the loop: Sparrow

@@ -224,8 +224,9 @@ def warm_start(cfg, tok, dev, log):
     The cache is keyed by everything that shapes it, so changing the model or the SFT settings rebuilds it."""
     import prompts
     from model import Transformer
-    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn", "difficulty", "order",
-                                        "sft_steps", "sft_batch", "sft_lr", "sft_noise", "sft_difficulty", "sft_init")}
+    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn", "difficulty",
+                                        "order", "sft_steps", "sft_batch", "sft_lr", "sft_noise", "sft_difficulty",
+                                        "sft_init")}
     path = os.path.join(cfg.out_dir, "warmstart")
     try:
         with open(os.path.join(path, "sft_key.json")) as f:
@@ -241,8 +242,8 @@ def warm_start(cfg, tok, dev, log):
         model = Transformer.from_pretrained(cfg.sft_init, device=dev)
     else:
         model = Transformer(tiny_model_config(cfg, tok)).to(dev)
-    data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000, cfg.sft_difficulty or cfg.difficulty,
-                                  cfg.order)  # a wider range than RL's teaches long chains faster (configs/longcot.py)
+    data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000,
+                                  cfg.sft_difficulty or cfg.difficulty, cfg.order)  # SFT's range may differ from RL's
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
     rng = random.Random(cfg.seed)
     log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} steps")
