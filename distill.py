@@ -109,6 +109,30 @@ class DistillSparse:
         self.coef, self.pg, self.ps, self.dl = coef, pg, page_size, dense_layers
         self.temperature, self.mbs = temperature, micro_batch
 
+    @classmethod
+    def for_run(cls, cfg, model, budget, world):
+        """The adapter for a train.py run (distill_r > 0), after checking that the run is one it supports."""
+        bad = [why for why, hit in (("a sparse kv_budget", not budget), ("lora_r = 0", cfg.lora_r),
+                                    ("rollout_copy = same", cfg.rollout_copy != "same"), ("one process", world > 1))
+               if hit]
+        if bad:
+            raise ValueError(f"config key 'distill_r' needs {', '.join(bad)}")
+        return cls(model, cfg.distill_r, lr=cfg.distill_lr, coef=cfg.distill_coef, pg=cfg.distill_pg,
+                   page_size=cfg.page_size, dense_layers=cfg.dense_layers, temperature=cfg.temperature,
+                   micro_batch=cfg.micro_batch)
+
+    def step_on(self, kept, prompt_lens, group_size, ids, tmask, dense_full, pg_term=None):
+        """`update` on train.py's kept groups (their 6th field: the rows' ro.read_pages), whose page records are
+        padded to one shape here (refill tries differ in length). prompt_lens: one per kept group."""
+        sel = [k[5] for k in kept]
+        shape = (sum(len(x) for x in sel), ids.shape[1], *sel[0].shape[2:4], max(x.shape[4] for x in sel))
+        pages, i = torch.zeros(shape, dtype=torch.bool), 0
+        for x in sel:
+            pages[i:i + len(x), :x.shape[1], :, :, :x.shape[4]] = x
+            i += len(x)
+        plen = torch.tensor(prompt_lens).repeat_interleave(group_size)
+        return self.update(ids, tmask, pages.to(ids.device), plen, dense_full, pg_term)
+
     @torch.no_grad()
     def refresh(self, policy):
         """Copy the policy's weights into the copy's base layers; the adapter is left as it is."""

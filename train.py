@@ -469,7 +469,9 @@ def learn(cfg, model, opt, kept, pool_ids, pad_id, world):
     stats += out.pop("stats")
     dense_full = out.pop("_dense_full", None)
     if cfg._distill is not None and kept and dense_full is not None:  # the rollout-only adapter, toward dense
-        rec.update(distill_step(cfg, kept, pool_ids, ids, tmask, adv, roll, dense_full))
+        pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low, cfg.clip_high)[0]
+        rec.update(cfg._distill.step_on(kept, [len(pool_ids[k[0]]) for k in kept], cfg.group_size, ids, tmask,
+                                        dense_full, pg))
     if cfg._schedule is not None:
         observe_schedule(cfg, out.pop("_alpha", (torch.zeros(0), torch.zeros(0, dtype=torch.long))), rec, world)
     rec.update(out)
@@ -479,20 +481,6 @@ def learn(cfg, model, opt, kept, pool_ids, pad_id, world):
                clipfrac=(stats[2] / stats[1].clamp(min=1)).item(), skipped_nonfinite=int(stats[3]) // world,
                grad_norm=stats[4].item() / world, lr=opt.param_groups[0]["lr"], train_s=time.perf_counter() - t1)
     return rec
-
-
-def distill_step(cfg, kept, pool_ids, ids, tmask, adv, roll, dense_full):
-    """DistillSparse's step on the kept rollouts: their recorded page selections, padded to one shape (refill
-    tries differ in length), replayed under the adapter (distill.py)."""
-    sel = [k[5] for k in kept]
-    shape = (sum(len(x) for x in sel), ids.shape[1], *sel[0].shape[2:4], max(x.shape[4] for x in sel))
-    pages, i = torch.zeros(shape, dtype=torch.bool), 0
-    for x in sel:
-        pages[i:i + len(x), :x.shape[1], :, :, :x.shape[4]] = x
-        i += len(x)
-    plen = torch.tensor([len(pool_ids[k[0]]) for k in kept for _ in range(cfg.group_size)])
-    pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low, cfg.clip_high)[0]
-    return cfg._distill.update(ids, tmask, pages.to(ids.device), plen, dense_full, pg)
 
 
 def observe_schedule(cfg, alpha_pages, rec, world):
@@ -630,19 +618,6 @@ def kv_budget(cfg, model=None, tok=None, pool_ids=None, log=print):
                      f"calibrate, got {cfg.kv_budget!r}")
 
 
-def make_distill(cfg, model, budget, world):
-    """DistillSparse (distill.py) for this run, after checking that the run is one it supports."""
-    from distill import DistillSparse
-    bad = [why for why, hit in (("a sparse kv_budget", not budget), ("lora_r = 0", cfg.lora_r),
-                                ("rollout_copy = same", cfg.rollout_copy != "same"), ("one process", world > 1))
-           if hit]
-    if bad:
-        raise ValueError(f"config key 'distill_r' needs {', '.join(bad)}")
-    return DistillSparse(model, cfg.distill_r, lr=cfg.distill_lr, coef=cfg.distill_coef, pg=cfg.distill_pg,
-                         page_size=cfg.page_size, dense_layers=cfg.dense_layers, temperature=cfg.temperature,
-                         micro_batch=cfg.micro_batch)
-
-
 def make_rollout(cfg, model):
     """The model that generates: the policy itself, or a bf16 / fp8 / N:M copy of it (sync.make_rollout_copy).
     With LoRA the copy is made from the merged weights, so the adapter is quantised or pruned with its layer."""
@@ -751,7 +726,8 @@ def main(argv):
     full = cfg._replica or model  # full weights: what the engines read
     budget = kv_budget(cfg, full, tok, train_ids, log)
     if cfg.distill_r:
-        cfg._distill = make_distill(cfg, full, budget, world)
+        from distill import DistillSparse
+        cfg._distill = DistillSparse.for_run(cfg, full, budget, world)
     rollout_model = cfg._distill.model if cfg._distill is not None else make_rollout(cfg, full)
     from sync import describe_copy
     log(f"rollout copy: {describe_copy(rollout_model)}" + (f", plus a DistillSparse adapter of rank "
