@@ -1,6 +1,6 @@
 # python train.py configs/longcot.py
 # The CPU long-CoT default for stage 2's sparse decode: the synthetic task at 16 to 24 terms, so a rollout runs to
-# 200-400 cached tokens and decode attention, not the weights, sets the pace.
+# 200-370 cached tokens (25 to 46 pages of 8): long enough for the KV budget to matter, short enough for a CPU.
 # The same 0.8M-parameter model as configs/tiny.py; everything not set here is the Config default.
 out_dir = "out/longcot"
 task = "synthetic"
