@@ -242,6 +242,12 @@ def warm_start(cfg, tok, dev, log):
         model = Transformer.from_pretrained(cfg.sft_init, device=dev)
     else:
         model = Transformer(tiny_model_config(cfg, tok)).to(dev)
+    want, got = tiny_model_config(cfg, tok), model.config
+    diff = [f"{k} {getattr(got, k)} (want {getattr(want, k)})" for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads") if getattr(got, k) != getattr(want, k)]
+    if diff:
+        raise ValueError(f"config key 'sft_init' ({cfg.sft_init}): its model differs from this config's: {', '.join(diff)}")
     data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000,
                                   cfg.sft_difficulty or cfg.difficulty, cfg.order)  # SFT's range may differ from RL's
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))

@@ -324,3 +324,22 @@ def test_calibrated_schedule_distill_and_dense_comparison_in_the_loop(tmp_path, 
         train.main(run + ["--distill_r=2", "--lora_r=2", "--kv_budget=fixed:2", f"--out_dir={tmp_path / 'c'}"])
     with pytest.raises(FileNotFoundError, match="calibrate.py"):
         train.main(run + ["--kv_budget=schedule:/nonexistent.json", f"--out_dir={tmp_path / 'c'}"])
+
+
+def test_warm_start_curriculum_from_another_config(tmp_path, monkeypatch):
+    """sft_init = a config file: that config's warm start is built (in its own out_dir) and SFT continues from it;
+    the cache key names the chain, so a second run loads instead of rebuilding."""
+    import json
+    from fake_reward import use_parity_reward
+    use_parity_reward(monkeypatch.setattr)
+    inner = tmp_path / "inner.py"
+    inner.write_text(f"out_dir = {str(tmp_path / 'inner')!r}\nn_layer = 1\nn_embd = 32\nn_head = 2\nn_kv_head = 1\n"
+                     f"ffn = 64\nsft_steps = 2\nsft_batch = 4\ndifficulty = (1, 2)\n")
+    run = TINY_RUN + ["--steps=1", f"--sft_init={inner}", "--sft_difficulty=(1,3)", f"--out_dir={tmp_path / 'outer'}"]
+    train.main(run)
+    assert (tmp_path / "inner" / "warmstart" / "model.safetensors").exists()
+    key = json.load(open(tmp_path / "outer" / "warmstart" / "sft_key.json"))
+    assert key["sft_init"] == str(inner) and key["sft_difficulty"] == [1, 3]
+    with pytest.raises(ValueError, match="sft_init.*hidden_size 32 \(want 64\)"):  # another shape is refused
+        train.main(TINY_RUN + ["--steps=1", f"--sft_init={inner}", "--n_embd=64", "--n_head=2",
+                               f"--out_dir={tmp_path / 'other'}"])
