@@ -247,7 +247,8 @@ def warm_start(cfg, tok, dev, log):
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads") if getattr(got, k) != getattr(want, k)]
     if diff:
-        raise ValueError(f"config key 'sft_init' ({cfg.sft_init}): its model differs from this config's: {', '.join(diff)}")
+        raise ValueError(f"config key 'sft_init' ({cfg.sft_init}): its model differs from this config's: "
+                         f"{', '.join(diff)}")
     data = prompts.make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000,
                                   cfg.sft_difficulty or cfg.difficulty, cfg.order)  # SFT's range may differ from RL's
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
