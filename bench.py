@@ -474,7 +474,10 @@ def sparrow_arms(fixed):
 def sparrow_summary(history):
     """One arm's figures from its per-step records."""
     recs = history["records"]
-    nanmean = lambda xs: (lambda v: sum(v) / len(v) if v else float("nan"))([x for x in xs if x == x])
+    def nanmean(xs):  # the mean of the values that are not NaN (empty bins, steps without a measurement)
+        v = [x for x in xs if x == x]
+        return sum(v) / len(v) if v else float("nan")
+
     bins = [r["alpha_bins"] for r in recs if "alpha_bins" in r]
     nb = max((len(b["p5"]) for b in bins), default=0)
     per_bin = {k: [nanmean([b[k][i] for b in bins if i < len(b[k])]) for i in range(nb)] for k in ("mean", "p5")}

@@ -36,6 +36,7 @@ Tests: `python -m pytest tests/test_distill.py`.
 """
 
 import copy
+import time
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +147,6 @@ class DistillSparse:
         the order of ids[tmask]. pg_term(logp, rows) -> summed policy loss of those rows (train.py passes its
         clipped surrogate), when the policy term is on. Returns {"distill_kl": mean KL(dense || sparse) per
         token, before the step; "distill_s": seconds}."""
-        import time
         t0 = time.perf_counter()
         self.model.train()
         ntok = max(1, int(tmask.sum()))
