@@ -78,7 +78,7 @@ class Config:
     zone: tuple = (0.1, 0.9)  # pass-rate bounds of the growth zone
     explore: float = 0.1  # fraction of each batch spent on the least recently seen prompts
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and refill (False: train on every group)
-    refill_tries: int = 2  # extra draws to refill groups whose rewards are all equal; then train short
+    refill_tries: int = 2  # extra draws (missing groups / keep rate each) to refill dropped groups; then train short
     min_spread: float = 0.0  # a group is kept when max - min reward exceeds this
     # stage 3: the verifier cascade
     math_verify: bool = True  # symbolic equivalence (math, gsm8k, synthetic) for answers no cheap rule settles

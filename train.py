@@ -11,7 +11,8 @@ One step (see DESIGN.md), in `collect` and `rl_step`:
     2 rollout  engine.generate: G completions each, the prompt prefilled once per group
     3 rewards  the verifier cascade; every rank tells the sampler every group's rewards
                groups whose rewards are all equal carry no gradient: they are dropped and the batch is refilled
-               with fresh prompts, up to `refill_tries` times; then it is trained short, never padded (DAPO)
+               with fresh prompts, up to `refill_tries` times (a refill draws the missing groups divided by the
+               step's keep rate so far, not a whole batch); then it is trained short, never padded (DAPO)
     4 update   group advantages -> dense log-probs -> clipped policy-gradient loss -> AdamW
     5 sync     colocated: the rollout copy is refreshed in place; with rollout_ranks > 0 (torchrun), trainer 0
                broadcasts checked weight deltas (sync.py) to ranks that only generate (parallel.run_split)
@@ -398,8 +399,9 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
     G, n_local = cfg.group_size, max(1, cfg.prompts_per_step // world)
     kept, results, rec = [], [], {"gen_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0, "tries": 0}
     lens, finish_length, rewards_all, zone, zero_adv = [], 0, [], [], 0
+    n_draw, drawn, signals = n_local, 0, 0  # prompts per rank this try; drawn and with-spread so far, all ranks
     for t in range(1 + (cfg.refill_tries if cfg.dynamic_sampling else 0)):
-        batch = sampler.next_batch(n_local * world)[rank * n_local:(rank + 1) * n_local]
+        batch = sampler.next_batch(n_draw * world)[rank * n_draw:(rank + 1) * n_draw]
         zone.append(sampler.stats().get("zone", float("nan")))
         t0, seed = time.perf_counter(), cfg.seed * 100_003 + (step * 8 + t) * world + rank
         ro = engine.generate([pool_ids[i] for i, _ in batch], G, seed=seed)
@@ -416,6 +418,8 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
         finish_length += sum(f == "length" for f in ro.finish)
         everyone = gather(([i for i, _ in batch], r.tolist()), world, cfg._group)
         sampler.observe([i for idx, _ in everyone for i in idx], [g for _, rs in everyone for g in rs])
+        drawn += len(everyone) * len(batch)
+        signals += sum(group_has_signal(g, cfg.min_spread) for _, rs in everyone for g in rs)
         for g in range(len(batch)):
             signal = group_has_signal(r[g].tolist(), cfg.min_spread)
             if (signal or not cfg.dynamic_sampling) and len(kept) < n_local:
@@ -427,6 +431,8 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
         n_kept = gather(len(kept), world, cfg._group)
         if min(n_kept) >= n_local:  # the decision to refill is global: every rank runs the same collectives
             break
+        # a refill draws what is missing, scaled up by this step's keep rate so far, not a whole new batch
+        n_draw = min(n_local, math.ceil((n_local - min(n_kept)) * drawn / max(1, signals)))
     rew = torch.cat(rewards_all)
     rec["kv_read"] = rec["pages_read"] / max(1, rec["pages_dense"])  # fraction of the KV pages decode read
     rec.update(reward=rew.mean().item(), groups_kept=sum(n_kept), groups=n_local * world,

@@ -1,5 +1,6 @@
 """Stage 4 and the loop: config errors, advantages and loss by hand, log-probs, NaN skipping, resume, torchrun."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -212,6 +213,45 @@ def test_dynamic_sampling_trains_short_when_tries_run_out(tmp_path, monkeypatch,
     assert out["checksums"][0] == weight_checksum(ws)  # no update happened: the weights are the warm start's
 
 
+def test_a_refill_draws_the_missing_groups_over_the_keep_rate(tmp_path, monkeypatch):
+    import zlib
+    import prompts
+    import reward
+    orig = reward.Cascade.score_batch
+    spread = lambda p: zlib.crc32(p.prompt.encode()) % 3 == 0  # about a third of the prompts give a group with spread
+
+    def some_spread(self, problems, texts, group_size=1):
+        res = orig(self, problems, texts, group_size)
+        res.rewards = [float(spread(p) and k % 2 == 0) for k, p in enumerate(problems)]
+        return res
+
+    calls = []
+    real = prompts.GrowthZoneSampler.next_batch
+
+    def logged(self, n):
+        batch = real(self, n)
+        calls.append([spread(p) for _, p in batch])
+        return batch
+
+    monkeypatch.setattr(reward.Cascade, "score_batch", some_spread)
+    monkeypatch.setattr(prompts.GrowthZoneSampler, "next_batch", logged)
+    recs = train.main(TINY_RUN + ["--steps=3", "--prompts_per_step=8", "--refill_tries=4", f"--out_dir={tmp_path}",
+                                  "--save_every=100"])["records"]
+    k = 0
+    for r in recs:  # replay each step's tries: the first draws a whole batch, a refill what is missing / keep rate
+        kept, drawn, signals, sizes = 0, 0, 0, []
+        for t in range(r["tries"]):
+            sizes.append(len(calls[k]))
+            want = 8 if t == 0 else min(8, math.ceil((8 - kept) * drawn / max(1, signals)))
+            assert len(calls[k]) == want
+            drawn, signals, kept = drawn + want, signals + sum(calls[k]), min(8, kept + sum(calls[k]))
+            k += 1
+        assert r["groups_kept"] == kept and r["short"] == int(kept < 8)
+        assert r["rollouts"] == 4 * sum(sizes)
+    assert any(r["tries"] > 1 for r in recs) and any(len(c) < 8 for c in calls[1:])  # refills happened, and smaller
+    assert k == len(calls)
+
+
 @pytest.mark.parametrize("form", ["fp8", "nm2:4"])
 def test_rollout_copies_run_in_the_loop_with_is_correction(tmp_path, monkeypatch, form):
     from fake_reward import use_parity_reward
@@ -340,6 +380,6 @@ def test_warm_start_curriculum_from_another_config(tmp_path, monkeypatch):
     assert (tmp_path / "inner" / "warmstart" / "model.safetensors").exists()
     key = json.load(open(tmp_path / "outer" / "warmstart" / "sft_key.json"))
     assert key["sft_init"] == str(inner) and key["sft_difficulty"] == [1, 3]
-    with pytest.raises(ValueError, match="sft_init.*hidden_size 32 \(want 64\)"):  # another shape is refused
+    with pytest.raises(ValueError, match=r"sft_init.*hidden_size 32 \(want 64\)"):  # another shape is refused
         train.main(TINY_RUN + ["--steps=1", f"--sft_init={inner}", "--n_embd=64", "--n_head=2",
                                f"--out_dir={tmp_path / 'other'}"])
