@@ -8,6 +8,7 @@ machine, printed as a markdown table whose rows name the hardware and the comman
 
     python bench.py signal --write-readme     # stages 1 and 3: 3 seeds x 4 short default runs (about 20 minutes)
     python bench.py sparrow --write-readme    # stage 2 in the loop: five long-CoT runs, and assets/sparrow.png
+    python bench.py sparsecost --threads 1    # stage 2: where a long-CoT decode step's time goes (about 2 minutes)
 
 Sections (one function each, `bench_<name>`; later stages add theirs):
     signal   the embedded default with growth-zone and dynamic sampling against uniform sampling that trains on
@@ -24,6 +25,8 @@ Sections (one function each, `bench_<name>`; later stages add theirs):
              (a) dense, (b) a fixed aggressive budget, (c) the p5-held schedule, (d) (c) + DistillSparse,
              (e) (b) + DistillSparse;
              reward, held-out accuracy, mean and p5 alpha per bin, pages read, rollout time, in-run speedup
+    sparsecost the same task's decode, dense, at a fixed 8 pages and at the calibrated table, split into attention,
+             page selection and the rest: the speedup each reaches and the ceiling its read fraction allows
 
 Simplifications:
     1. The model is random: speed does not depend on the weights. Decoding is greedy with EOS off, so both
@@ -38,6 +41,7 @@ Simplifications:
 """
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -560,8 +564,78 @@ def bench_sparrow(quick, cmd):
     return head + rows
 
 
-SECTIONS = {"rollout": bench_rollout, "signal": bench_signal, "sparrow": bench_sparrow}
-OWN_HEADER = {"sparrow"}  # sections whose rows carry their own table head
+# ----------------------------------------------------------------------------- stage 2: where decode time goes
+
+def bench_sparsecost(quick, cmd):
+    """Where a decode step's time goes on the CPU long-CoT task (configs/longcot.py's warm start, built if missing,
+    and its rollout shape), dense and sparse: the same prompts generated dense, at a fixed 8 pages and at the
+    calibrated p5-held table, with the engine's attention calls (gather + SDPA) and page selections timed. The
+    ceiling is what the read fraction r allows when selection is free and the rest of the step is unchanged:
+    1 / ((1 - s) + s * r), s the attention share of the dense decode time. Each arm runs three times with the same
+    seed (the same tokens); the fastest run counts."""
+    import rollout
+    import train
+    from sparsity import Schedule
+    hw = hardware()
+    cfg = train.parse_config(["configs/longcot.py"] + (["--sft_steps=20", "--calib_prompts=2", "--max_new_tokens=64",
+                                                        f"--out_dir={tempfile.mkdtemp()}"] if quick else []))
+    dev = torch.device("cpu")
+    model, tok = train.build_policy(cfg, dev, print)
+    pool, _ = train.load_problems(cfg)
+    pool, ids = train.encode_pool(tok, pool, cfg, model.config.max_position_embeddings, print)
+    n = 2 if quick else cfg.prompts_per_step
+    prompts = [ids[i] for i in range(n)]
+    clock = {"attn": 0.0, "select": 0.0}
+
+    def timed(name, fn):
+        def wrapped(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            clock[name] += time.perf_counter() - t
+            return out
+        return wrapped
+
+    real_attn, real_select = rollout.decode_attention, rollout.PagedKVCache._select
+    rollout.decode_attention = timed("attn", real_attn)
+    rollout.PagedKVCache._select = timed("select", real_select)  # inside attend, after the clock above starts: the
+    try:                                                        # attention time below is net of it
+        calib = train.kv_budget(dataclasses.replace(cfg, kv_budget="calibrate", out_dir=tempfile.mkdtemp()), model,
+                                tok, ids, print)
+        arms = {"dense": False, f"fixed {SPARROW_FIXED} pages": Schedule([SPARROW_FIXED], cfg.kv_bin_pages),
+                f"calibrated table {calib.table}": calib}
+        res = {}
+        for name, budget in arms.items():
+            eng = rollout.Engine(model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, [cfg.stop],
+                                 sparse=budget, page_size=cfg.page_size, scorer=cfg.kv_scorer,
+                                 dense_layers=cfg.dense_layers)
+            eng.generate(prompts[:1], cfg.group_size, seed=1)  # warm-up
+            for _ in range(1 if quick else 3):  # the same seed draws the same tokens: keep the fastest of the runs
+                clock.update(attn=0.0, select=0.0)
+                t = eng.generate(prompts, cfg.group_size, seed=0).timings
+                if name not in res or t["decode_s"] < res[name]["decode"]:
+                    res[name] = dict(tok=t["new_tokens"], decode=t["decode_s"], attn=clock["attn"] - clock["select"],
+                                     select=clock["select"], read=t["pages_read"] / max(1, t["pages_dense"]))
+            print(name, res[name], flush=True)
+    finally:
+        rollout.decode_attention, rollout.PagedKVCache._select = real_attn, real_select
+    d = res["dense"]
+    share = d["attn"] / d["decode"]
+    ms = lambda r, k: 1e3 * r[k] / r["tok"]
+    rows = [f"Hardware: {hw}. Command: `{cmd}`. {n} prompts x {cfg.group_size} rollouts of the long-CoT warm start, "
+            f"sampled, up to {cfg.max_new_tokens} new tokens, pages of {cfg.page_size}, first {cfg.dense_layers} "
+            f"layer(s) dense. Dense decode spends {share:.0%} of its time in attention.", "",
+            "| decode | KV pages read (of dense) | decode ms per token | attention (gather + SDPA) | page selection "
+            "| the rest | speedup vs dense (per token) | ceiling at this read fraction, selection free |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, r in res.items():
+        rows.append(f"| {name} | {r['read']:.2f} | {ms(r, 'decode'):.3f} | {ms(r, 'attn'):.3f} | {ms(r, 'select'):.3f}"
+                    f" | {ms(r, 'decode') - ms(r, 'attn') - ms(r, 'select'):.3f} | "
+                    f"{ms(d, 'decode') / ms(r, 'decode'):.2f}x | {1 / ((1 - share) + share * r['read']):.2f}x |")
+    return rows
+
+
+SECTIONS = {"rollout": bench_rollout, "signal": bench_signal, "sparrow": bench_sparrow, "sparsecost": bench_sparsecost}
+OWN_HEADER = {"sparrow", "sparsecost"}  # sections whose rows carry their own table head
 
 
 def main(argv):
