@@ -568,8 +568,10 @@ def bench_sparrow(quick, cmd):
 
 def bench_sparsecost(quick, cmd):
     """Where a decode step's time goes on the CPU long-CoT task (configs/longcot.py's warm start, built if missing,
-    and its rollout shape), dense and sparse: the same prompts generated dense, at a fixed 8 pages and at the
-    calibrated p5-held table, with the engine's attention calls (gather + SDPA) and page selections timed. The
+    and its rollout shape), dense and sparse: the same prompts generated dense, at a fixed 8 pages, at the
+    calibrated p5-held table, and at the table calibrated with the oracle scorer (the true attention mass per
+    page: about the fewest pages a query-aware scorer can hold the threshold with; it reads every key, so its time
+    is no speedup), with the engine's attention calls (gather + SDPA) and page selections timed. The
     ceiling is what the read fraction r allows when selection is free and the rest of the step is unchanged:
     1 / ((1 - s) + s * r), s the attention share of the dense decode time. Each arm runs three times with the same
     seed (the same tokens); the fastest run counts."""
@@ -599,15 +601,18 @@ def bench_sparsecost(quick, cmd):
     rollout.decode_attention = timed("attn", real_attn)
     rollout.PagedKVCache._select = timed("select", real_select)  # inside attend, after the clock above starts: the
     try:                                                        # attention time below is net of it
-        calib = train.kv_budget(dataclasses.replace(cfg, kv_budget="calibrate", out_dir=tempfile.mkdtemp()), model,
-                                tok, ids, print)
-        arms = {"dense": False, f"fixed {SPARROW_FIXED} pages": Schedule([SPARROW_FIXED], cfg.kv_bin_pages),
-                f"calibrated table {calib.table}": calib}
+        calib = {sc: train.kv_budget(dataclasses.replace(cfg, kv_budget="calibrate", kv_scorer=sc,
+                                                         out_dir=tempfile.mkdtemp()), model, tok, ids, print)
+                 for sc in (cfg.kv_scorer, "oracle")}
+        arms = {"dense": (False, cfg.kv_scorer),
+                f"fixed {SPARROW_FIXED} pages": (Schedule([SPARROW_FIXED], cfg.kv_bin_pages), cfg.kv_scorer),
+                f"calibrated table {calib[cfg.kv_scorer].table}": (calib[cfg.kv_scorer], cfg.kv_scorer),
+                f"oracle scorer (reads every key), its calibrated table {calib['oracle'].table}":
+                    (calib["oracle"], "oracle")}
         res = {}
-        for name, budget in arms.items():
+        for name, (budget, scorer) in arms.items():
             eng = rollout.Engine(model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, [cfg.stop],
-                                 sparse=budget, page_size=cfg.page_size, scorer=cfg.kv_scorer,
-                                 dense_layers=cfg.dense_layers)
+                                 sparse=budget, page_size=cfg.page_size, scorer=scorer, dense_layers=cfg.dense_layers)
             eng.generate(prompts[:1], cfg.group_size, seed=1)  # warm-up
             for _ in range(1 if quick else 3):  # the same seed draws the same tokens: keep the fastest of the runs
                 clock.update(attn=0.0, select=0.0)

@@ -62,7 +62,7 @@ class Config:
     kv_budget: str = "dense"  # dense | fraction:F | fixed:N | table:N1,N2,... | schedule:PATH | calibrate: KV pages
     # read per decode step (schedule: a table written by calibrate.py; calibrate: calibrate.py's sweep at start)
     kv_bin_pages: int = 125  # table: bin width in pages (Sparrow: 2,000 tokens = 125 pages of 16)
-    kv_scorer: str = "centroid"  # centroid | quest: how pages are scored for the sparse budget
+    kv_scorer: str = "centroid"  # centroid | quest | oracle (true attention mass: a yardstick, reads every key)
     dense_layers: int = 2  # the first layers always read every page
     kv_controller: bool = False  # table budgets: adjust the table online to hold p5 alpha per bin at kv_target
     kv_target: float = 0.86  # Sparrow's threshold for the 5th percentile of alpha in each bin

@@ -38,7 +38,8 @@ What one call does:
     5. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch at once and its pages
        go back to the free list (a shared prompt page when its last row finishes).
 
-Options (Engine keywords): page_size=16; sparse=False or a budget function; scorer="centroid" | "quest";
+Options (Engine keywords): page_size=16; sparse=False or a budget function; scorer="centroid" | "quest" |
+"oracle" (the true attention mass per page: it reads every key, a yardstick for calibration, not a speedup);
 keep_first=1, keep_recent=2, dense_layers=2 (sparse only); share_prefix=True (False prefills every row on its
 own, the baseline); num_pages=None (the pool's size; None is the call's worst case); topk_logprobs=0 (k > 0
 fills ro.topk_logp and ro.topk_ids; padding positions hold -inf and token 0); record_pages=False (sparse only:
@@ -70,7 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.block_sparse_decode import decode_attention, dense_slots
-from sparsity import centroid_scores, page_metadata, pages_to_read, quest_scores, select_pages
+from sparsity import centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores, select_pages
 
 PREFILL_TOKENS = 16384  # padded tokens per prefill forward: bounds the activations of a long batch
 
@@ -241,6 +242,8 @@ class PagedKVCache:
         phys = self._table.long()  # (B, P); entries past a row's pages hold stale ids, masked in selection
         if self.scorer == "quest":
             scores = quest_scores(q, self.kmin[layer][phys], self.kmax[layer][phys])
+        elif self.scorer == "oracle":  # the yardstick: every key read, the true attention mass per page
+            scores = oracle_scores(q, self.k[layer][phys], self._seq_lens)
         else:
             scores = centroid_scores(q, self.kmean[layer][phys])
         n_pages, n_full, n_read = self._counts
@@ -290,8 +293,8 @@ class Engine:
         if sparse is not False and sparse is not None and not callable(sparse):
             raise TypeError(f"sparse must be False or a budget function n_pages -> pages (see sparsity.py), "
                             f"got {sparse!r}")
-        if scorer not in ("centroid", "quest"):
-            raise ValueError(f"scorer must be 'centroid' or 'quest', got {scorer!r}")
+        if scorer not in ("centroid", "quest", "oracle"):
+            raise ValueError(f"scorer must be 'centroid', 'quest' or 'oracle', got {scorer!r}")
         for name, x in (("keep_recent", keep_recent), ("dense_layers", dense_layers), ("keep_first", keep_first)):
             if not (isinstance(x, int) and x >= 0):
                 raise ValueError(f"{name} must be an int >= 0, got {x!r}")

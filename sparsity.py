@@ -140,6 +140,22 @@ def quest_scores(q, kmin, kmax):
     return bound.amax(2)
 
 
+def oracle_scores(q, kpages, seq_lens):
+    """The yardstick scorer: the attention mass each page really gets. q (B, H_q, D) decode queries, kpages
+    (B, P, page_size, H_kv, D) the keys of each logical page, seq_lens (B,) tokens cached -> (B, H_kv, P):
+    softmax(q . k / sqrt(D)) over the row's cached tokens, summed per page, the max over the GQA group. It reads
+    every key, as dense attention does, so it saves nothing; calibrating with it (kv_scorer="oracle") tells a
+    weak scorer apart from a task whose attention tail is spread over many pages."""
+    B, H_q, D = q.shape
+    _, P, ps, H_kv, _ = kpages.shape
+    qg = q.float().view(B, H_kv, H_q // H_kv, D)
+    logits = torch.einsum("bhgd,bpthd->bhgpt", qg, kpages.float()) * D ** -0.5  # (B, H_kv, G, P, ps)
+    ok = torch.arange(P * ps, device=q.device).view(P, ps) < seq_lens.to(q.device).long()[:, None, None]
+    logits = logits.masked_fill(~ok[:, None, None], float("-inf"))
+    w = torch.softmax(logits.reshape(B, H_kv, -1, P * ps), -1).nan_to_num(0.0)  # an empty row: all -inf -> 0
+    return w.view(B, H_kv, -1, P, ps).sum(-1).amax(2)
+
+
 def page_metadata(pages, with_bounds):
     """pages (n, page_size, H_kv, D) full pages of keys -> mean (n, H_kv, D), and min, max or None, None."""
     k = pages.float()

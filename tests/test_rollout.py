@@ -111,7 +111,7 @@ def assert_same_generation(ro, ref_tok, ref_lp):
 
 
 @pytest.mark.parametrize("moe", [False, True])
-@pytest.mark.parametrize("scorer", ["centroid", "quest"])
+@pytest.mark.parametrize("scorer", ["centroid", "quest", "oracle"])
 def test_sparse_at_full_budget_equals_dense_and_naive(moe, scorer):
     m, tok = tiny_model(moe=moe), CharTok()
     kw = dict(max_new_tokens=10, temperature=0.0, page_size=4)

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.block_sparse_decode import decode_attention
-from sparsity import (centroid_scores, dense_budget, fixed_budget, fraction_budget, kept_count, page_metadata,
-                      pages_to_read, quest_scores, select_pages, table_budget)
+from sparsity import (centroid_scores, dense_budget, fixed_budget, fraction_budget, kept_count, oracle_scores,
+                      page_metadata, pages_to_read, quest_scores, select_pages, table_budget)
 
 
 def test_budget_functions():
@@ -59,6 +59,28 @@ def test_quest_bound_uses_min_and_max_and_the_group_max():
     keys = kmin[0, :, 0][:, None] + torch.rand(3, 50, 2) * (kmax - kmin)[0, :, 0][:, None]  # (P, 50, D)
     for h in range(2):
         assert ((keys @ q[0, h]) <= s[:, None] + 1e-6).all()
+
+
+def test_oracle_is_the_attention_mass_per_page_with_the_group_max():
+    torch.manual_seed(0)
+    B, H_kv, G, D, P, ps = 3, 2, 2, 8, 5, 4
+    q, kp = torch.randn(B, H_kv * G, D), torch.randn(B, P, ps, H_kv, D)
+    lens = torch.tensor([20, 9, 0])  # full, ending inside page 2, empty
+    kp[1].view(-1, H_kv, D)[9:] = float("nan")  # past the end: never read into the result
+    s = oracle_scores(q, kp, lens)
+    ref = torch.zeros(B, H_kv, P)
+    for b in range(B):
+        n = int(lens[b])
+        for h in range(H_kv):
+            for g in range(G):
+                if n == 0:
+                    continue
+                w = F.softmax(kp[b, :, :, h].reshape(P * ps, D)[:n] @ q[b, h * G + g] / D ** 0.5, -1)
+                mass = F.pad(w, (0, P * ps - n)).view(P, ps).sum(-1)
+                ref[b, h] = torch.maximum(ref[b, h], mass)
+    assert torch.allclose(s, ref, atol=1e-6)
+    assert (s[1, :, 3:] == 0).all() and (s[2] == 0).all()  # pages past the end and an empty row get no mass
+    assert (s[:2].sum(-1) >= 1 - 1e-6).all()  # the max over the group: at least one query head's full mass
 
 
 def test_page_metadata():
