@@ -126,7 +126,9 @@ class DistillSparse:
         """`update` on train.py's kept groups (their 6th field: the rows' ro.read_pages), whose page records are
         padded to one shape here (refill tries differ in length). prompt_lens: one per kept group."""
         sel = [k[5] for k in kept]
-        shape = (sum(len(x) for x in sel), ids.shape[1], *sel[0].shape[2:4], max(x.shape[4] for x in sel))
+        # a try's record spans its longest row, which may be a dropped group's: longer than any kept completion
+        rows, steps, pages = sum(len(x) for x in sel), max(x.shape[1] for x in sel), max(x.shape[4] for x in sel)
+        shape = (rows, steps, *sel[0].shape[2:4], pages)
         pages, i = torch.zeros(shape, dtype=torch.bool), 0
         for x in sel:
             pages[i:i + len(x), :x.shape[1], :, :, :x.shape[4]] = x

@@ -96,3 +96,19 @@ def test_distillation_raises_alpha_at_a_fixed_budget():
     assert kl[-1] < 0.5 * kl[0], kl
     gap_before, gap_after = 1 - before.quantile(0.05), 1 - after.quantile(0.05)  # the tail's distance from 1
     assert gap_after < 0.7 * gap_before and after.mean() > before.mean(), (gap_before, gap_after)
+
+
+def test_step_on_pads_the_page_records_of_refill_tries_to_one_shape():
+    """Kept groups from two refill tries: records of different lengths and page counts, one longer than any kept
+    row's prompt + completion (its try's longest row was in a dropped group)."""
+    ds = DistillSparse(model4(), r=4, page_size=4, dense_layers=1)
+    torch.manual_seed(0)
+    a, b = torch.rand(2, 10, 2, 2, 5) > 0.5, torch.rand(2, 4, 2, 2, 7) > 0.5  # (rows, Tc, layers, H_kv, pages)
+    kept = [(0, None, None, None, None, a), (1, None, None, None, None, b)]
+    got = {}
+    ds.update = lambda ids, tmask, pages, plen, dense_full, pg=None: got.update(pages=pages, plen=plen)
+    ds.step_on(kept, [3, 2], 2, torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, 6, dtype=torch.bool), None)
+    p = got["pages"]
+    assert p.shape == (4, 10, 2, 2, 7) and got["plen"].tolist() == [3, 3, 2, 2]
+    assert torch.equal(p[:2, :, :, :, :5], a) and not p[:2, :, :, :, 5:].any()
+    assert torch.equal(p[2:, :4], b) and not p[2:, 4:].any()
