@@ -8,7 +8,7 @@ machine, printed as a markdown table whose rows name the hardware and the comman
 
     python bench.py signal --write-readme     # stages 1 and 3: 3 seeds x 4 short default runs (about 20 minutes)
     python bench.py sparrow --write-readme    # stage 2 in the loop: five long-CoT runs, and assets/sparrow.png
-    python bench.py sparsecost --threads 1    # stage 2: where a long-CoT decode step's time goes (about 2 minutes)
+    python bench.py sparsecost --threads 1    # stage 2: where a long-CoT decode step's time goes (about 4 minutes)
 
 Sections (one function each, `bench_<name>`; later stages add theirs):
     signal   the embedded default with growth-zone and dynamic sampling against uniform sampling that trains on
@@ -573,8 +573,8 @@ def bench_sparsecost(quick, cmd):
     page: about the fewest pages a query-aware scorer can hold the threshold with; it reads every key, so its time
     is no speedup), with the engine's attention calls (gather + SDPA) and page selections timed. The
     ceiling is what the read fraction r allows when selection is free and the rest of the step is unchanged:
-    1 / ((1 - s) + s * r), s the attention share of the dense decode time. Each arm runs three times with the same
-    seed (the same tokens); the fastest run counts."""
+    1 / ((1 - s) + s * r), s the attention share of the dense decode time. The arms take turns, three rounds with
+    the same seed (the same tokens); each arm's fastest run counts."""
     import rollout
     import train
     from sparsity import Schedule
@@ -599,8 +599,8 @@ def bench_sparsecost(quick, cmd):
 
     real_attn, real_select = rollout.decode_attention, rollout.PagedKVCache._select
     rollout.decode_attention = timed("attn", real_attn)
-    rollout.PagedKVCache._select = timed("select", real_select)  # inside attend, after the clock above starts: the
-    try:                                                        # attention time below is net of it
+    rollout.PagedKVCache._select = timed("select", real_select)  # called in attend, before decode_attention
+    try:
         calib = {sc: train.kv_budget(dataclasses.replace(cfg, kv_budget="calibrate", kv_scorer=sc,
                                                          out_dir=tempfile.mkdtemp()), model, tok, ids, print)
                  for sc in (cfg.kv_scorer, "oracle")}
@@ -609,18 +609,21 @@ def bench_sparsecost(quick, cmd):
                 f"calibrated table {calib[cfg.kv_scorer].table}": (calib[cfg.kv_scorer], cfg.kv_scorer),
                 f"oracle scorer (reads every key), its calibrated table {calib['oracle'].table}":
                     (calib["oracle"], "oracle")}
-        res = {}
-        for name, (budget, scorer) in arms.items():
-            eng = rollout.Engine(model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, [cfg.stop],
-                                 sparse=budget, page_size=cfg.page_size, scorer=scorer, dense_layers=cfg.dense_layers)
+        engines = {name: rollout.Engine(model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, [cfg.stop],
+                                        sparse=budget, page_size=cfg.page_size, scorer=scorer,
+                                        dense_layers=cfg.dense_layers) for name, (budget, scorer) in arms.items()}
+        for eng in engines.values():
             eng.generate(prompts[:1], cfg.group_size, seed=1)  # warm-up
-            for _ in range(1 if quick else 3):  # the same seed draws the same tokens: keep the fastest of the runs
+        res = {}
+        for _ in range(1 if quick else 3):  # the arms take turns; the same seed draws the same tokens each time
+            for name, eng in engines.items():
                 clock.update(attn=0.0, select=0.0)
                 t = eng.generate(prompts, cfg.group_size, seed=0).timings
-                if name not in res or t["decode_s"] < res[name]["decode"]:
-                    res[name] = dict(tok=t["new_tokens"], decode=t["decode_s"], attn=clock["attn"] - clock["select"],
+                if name not in res or t["decode_s"] < res[name]["decode"]:  # keep each arm's fastest run
+                    res[name] = dict(tok=t["new_tokens"], decode=t["decode_s"], attn=clock["attn"],
                                      select=clock["select"], read=t["pages_read"] / max(1, t["pages_dense"]))
-            print(name, res[name], flush=True)
+        for name, r in res.items():
+            print(name, r, flush=True)
     finally:
         rollout.decode_attention, rollout.PagedKVCache._select = real_attn, real_select
     d = res["dense"]
