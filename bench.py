@@ -25,8 +25,9 @@ Sections (one function each, `bench_<name>`; later stages add theirs):
              (a) dense, (b) a fixed aggressive budget, (c) the p5-held schedule, (d) (c) + DistillSparse,
              (e) (b) + DistillSparse;
              reward, held-out accuracy, mean and p5 alpha per bin, pages read, rollout time, in-run speedup
-    sparsecost the same task's decode, dense, at a fixed 8 pages and at the calibrated table, split into attention,
-             page selection and the rest: the speedup each reaches and the ceiling its read fraction allows
+    sparsecost the same task's decode, dense, at a fixed 8 pages, at the calibrated table and at the table that
+             the oracle scorer calibrates, split into attention, page selection and the rest: the speedup each
+             reaches and the ceiling its read fraction allows
 
 Simplifications:
     1. The model is random: speed does not depend on the weights. Decoding is greedy with EOS off, so both
