@@ -6,7 +6,7 @@ machine, printed as a markdown table whose rows name the hardware and the comman
     python bench.py rollout --quick           # smaller sizes: a smoke run of the same code (under a minute)
     python bench.py rollout --write-readme    # also rewrite README.md between <!-- bench:rollout --> markers
 
-    python bench.py signal --write-readme     # stages 1 and 3: 3 seeds x 4 short default runs (about 20 minutes)
+    python bench.py signal --write-readme     # stages 1 and 3: 5 seeds x 4 short default runs (about 30 minutes)
     python bench.py sparrow --write-readme    # stage 2 in the loop: five long-CoT runs, and assets/sparrow.png
     python bench.py sparsecost --threads 1    # stage 2: where a long-CoT decode step's time goes (about 4 minutes)
 
@@ -390,7 +390,7 @@ SIGNAL_VARIANTS = {"with refills": [], "without refills": ["--refill_tries=0"]} 
 
 def bench_signal(quick, cmd):
     """Stages 1 and 3: growth-zone sampling with dynamic sampling (ours) against uniform sampling that trains on
-    every group (baseline), at the same number of rollouts, from the same warm start, for seeds 0, 1 and 2 (a seed
+    every group (baseline), at the same number of rollouts, from the same warm start, for seeds 0 to 4 (a seed
     sets the warm start, the pools and the sampling). The embedded default, stopped at 12 of its 60 steps and
     scored on 500 held-out problems: at 60 steps both arms reach 0.98-1.00, which compares nothing. Ours runs
     twice, as the default (refilled up to refill_tries = 2 times) and without refills (refill_tries = 0: groups
@@ -398,7 +398,7 @@ def bench_signal(quick, cmd):
     import shutil
     import train
     hw = hardware()
-    seeds = (0,) if quick else (0, 1, 2)
+    seeds = (0,) if quick else (0, 1, 2, 3, 4)
     args = ["--plot=false", "--eval_every=1000"] + (["--steps=6", "--sft_steps=60", "--n_eval=50"] if quick
                                                     else ["--steps=12", "--n_eval=500"])
     rows = []
