@@ -535,14 +535,16 @@ def bench_sparrow(quick, cmd):
     cfg = train.parse_config(args)
     results = {}
     cached = os.path.join(cfg.out_dir, "warmstart")  # a warm start that `python train.py configs/longcot.py` built
-    for i, (name, extra) in enumerate(sparrow_arms(SPARROW_FIXED).items()):
-        out = f"{root}/arm{i}"
-        src = f"{root}/arm0/warmstart" if i else cached
-        if os.path.isdir(src):  # the same warm start for every arm (train.warm_start rebuilds it if its key differs)
-            shutil.copytree(src, f"{out}/warmstart")
-        print(f"--- {name}", flush=True)
-        results[name] = sparrow_summary(train.main(args + extra + [f"--out_dir={out}"]))
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        for i, (name, extra) in enumerate(sparrow_arms(SPARROW_FIXED).items()):
+            out = f"{root}/arm{i}"
+            src = f"{root}/arm0/warmstart" if i else cached
+            if os.path.isdir(src):  # one warm start for every arm (train.warm_start rebuilds it if its key differs)
+                shutil.copytree(src, f"{out}/warmstart")
+            print(f"--- {name}", flush=True)
+            results[name] = sparrow_summary(train.main(args + extra + [f"--out_dir={out}"]))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     os.makedirs("assets", exist_ok=True)
     sparrow_plot(results, "assets/sparrow.png", cfg.kv_target)
     dense_ms = 1e3 * results["(a) dense"]["gen_s"] / results["(a) dense"]["tokens"]
@@ -576,12 +578,14 @@ def bench_sparsecost(quick, cmd):
     ceiling is what the read fraction r allows when selection is free and the rest of the step is unchanged:
     1 / ((1 - s) + s * r), s the attention share of the dense decode time. The arms take turns, three rounds with
     the same seed (the same tokens); each arm's fastest run counts."""
+    import shutil
     import rollout
     import train
     from sparsity import Schedule
     hw = hardware()
+    root = tempfile.mkdtemp(prefix="zeros-bench-sparsecost-")  # the quick run's warm start, the calibration files
     cfg = train.parse_config(["configs/longcot.py"] + (["--sft_steps=20", "--calib_prompts=2", "--max_new_tokens=64",
-                                                        f"--out_dir={tempfile.mkdtemp()}"] if quick else []))
+                                                        f"--out_dir={root}/quick"] if quick else []))
     dev = torch.device("cpu")
     model, tok = train.build_policy(cfg, dev, print)
     pool, _ = train.load_problems(cfg)
@@ -602,8 +606,10 @@ def bench_sparsecost(quick, cmd):
     rollout.decode_attention = timed("attn", real_attn)
     rollout.PagedKVCache._select = timed("select", real_select)  # called in attend, before decode_attention
     try:
+        for sc in (cfg.kv_scorer, "oracle"):
+            os.makedirs(f"{root}/{sc}")
         calib = {sc: train.kv_budget(dataclasses.replace(cfg, kv_budget="calibrate", kv_scorer=sc,
-                                                         out_dir=tempfile.mkdtemp()), model, tok, ids, print)
+                                                         out_dir=f"{root}/{sc}"), model, tok, ids, print)
                  for sc in (cfg.kv_scorer, "oracle")}
         arms = {"dense": (False, cfg.kv_scorer),
                 f"fixed {SPARROW_FIXED} pages": (Schedule([SPARROW_FIXED], cfg.kv_bin_pages), cfg.kv_scorer),
@@ -627,6 +633,7 @@ def bench_sparsecost(quick, cmd):
             print(name, r, flush=True)
     finally:
         rollout.decode_attention, rollout.PagedKVCache._select = real_attn, real_select
+        shutil.rmtree(root, ignore_errors=True)
     d = res["dense"]
     share = d["attn"] / d["decode"]
     ms = lambda r, k: 1e3 * r[k] / r["tok"]

@@ -351,9 +351,10 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
     through the tokens sampled. The online Controller corrects what this leaves.
     The sweep stops at the first candidate at which every bin with tokens has passed. A bin without tokens at
     any candidate copies the bin before it; one that failed while it had tokens and has none at the largest
-    candidate (sparse rollouts that ran long where dense ones stop) gets the largest candidate; `monotone` lifts each bin to at least the one before it (the tail
-    worsens with length; lifting never breaks a bin's threshold). A bin that no candidate satisfies is an
-    error: include a candidate at least as large as the bin's cached pages, which reads it densely."""
+    candidate (sparse rollouts that ran long where dense ones stop) gets the largest candidate; `monotone` lifts
+    each bin to at least the one before it (the tail worsens with length; lifting never breaks a bin's threshold).
+    A bin that no candidate satisfies is an error: include a candidate at least as large as the bin's cached
+    pages, which reads it densely."""
     cands = sorted({int(c) for c in candidates})
     if not cands or cands[0] < 1:
         raise ValueError(f"calibrate: candidates must be page counts >= 1, got {candidates}")

@@ -416,12 +416,12 @@ def collect(cfg, step, engine, cascade, sampler, pool_ids, rank, world):
         rewards_all.append(r.flatten())
         lens.append(ro.mask.sum(1).float())
         finish_length += sum(f == "length" for f in ro.finish)
-        everyone = gather(([i for i, _ in batch], r.tolist()), world, cfg._group)
-        sampler.observe([i for idx, _ in everyone for i in idx], [g for _, rs in everyone for g in rs])
-        drawn += len(everyone) * len(batch)
-        signals += sum(group_has_signal(g, cfg.min_spread) for _, rs in everyone for g in rs)
-        for g in range(len(batch)):
-            signal = group_has_signal(r[g].tolist(), cfg.min_spread)
+        has = [group_has_signal(g, cfg.min_spread) for g in r.tolist()]  # this rank's groups
+        everyone = gather(([i for i, _ in batch], r.tolist(), has), world, cfg._group)
+        sampler.observe([i for idx, _, _ in everyone for i in idx], [g for _, rs, _ in everyone for g in rs])
+        drawn += sum(len(h) for *_, h in everyone)
+        signals += sum(sum(h) for *_, h in everyone)
+        for g, signal in enumerate(has):
             if (signal or not cfg.dynamic_sampling) and len(kept) < n_local:
                 zero_adv += not signal
                 rows = slice(g * G, (g + 1) * G)
