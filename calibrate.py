@@ -1,37 +1,283 @@
 """
-calibrate.py: the offline half of Sparrow's schedule. For a model and a task, sweep KV budgets on a calibration
-batch and write the smallest budget per bin of cached length that keeps the 5th percentile of alpha at or above
-the threshold.
+calibrate.py: stage 2, the budget schedule. Sparrow's idea: the KV pages a decode step reads grow with the
+cached length, bin by bin, so that the tail of the sparse-to-dense mismatch (the 5th percentile of alpha in
+each bin) stays at a threshold. Set offline by a sweep, kept on target online by a controller.
 
     python calibrate.py configs/longcot.py                     # -> out/longcot/kv_schedule.json, and printed
     python calibrate.py configs/longcot.py --kv_target=0.9 --calib_prompts=32
     python train.py configs/longcot.py --kv_budget=schedule:out/longcot/kv_schedule.json --kv_controller=true
     python train.py configs/longcot.py --kv_budget=calibrate   # the same sweep at the start of the run
 
-What it does:
-    1. Builds the policy the run would start from (the warm start, or the Hugging Face model), and takes the
-       first `calib_prompts` training prompts, `group_size` rollouts each, at the run's temperature.
-    2. sparsity.calibrate_engine: one sparse generation per candidate budget in `kv_candidates` (pages read per
-       step, the same in every bin), a dense forward over the same tokens, alpha per token and its p5 per bin of
-       `kv_bin_pages` pages, and for each bin the first candidate that reaches `kv_target`.
-    3. Writes the Schedule (table, bin_pages, threshold) and what it was calibrated on as JSON; the run loads it
-       with kv_budget=schedule:PATH, and kv_controller=true keeps it on target as the policy moves.
+What is here:
+    Schedule          pages to read per bin of cached length; an engine budget function (Engine(sparse=...))
+    calibrate         the sweep: one uniform table per candidate budget, and per bin the first that holds
+    calibrate_engine  calibrate on a real model: sparse rollouts, a dense forward over the same tokens, p5
+                      alpha per bin
+    Controller        online: each step's p5 per bin raises a failing bin at once and lowers a calm one slowly
+    kv_budget         the engine's budget from config key kv_budget (dense, fraction, fixed, table, schedule
+                      file, or the sweep at the start of the run)
+    main              the CLI above: build the policy the run would start from, sweep, write the JSON
 
-A bin that no candidate satisfies is an error that names it: add larger candidates (a candidate at least as
-large as the bin's cached pages reads it densely, so it always passes).
+Simplifications:
+    1. Calibration sweeps one uniform table per candidate and lets each bin pick from it, as if the bins
+       were independent (see `calibrate`).
+    2. The controller does not model how p5 moves with budget: it steps and remembers the last budget that
+       failed (see `Controller`).
+    3. A bin that no candidate satisfies is an error that names it: add larger candidates (a candidate at least
+       as large as the bin's cached pages reads it densely, so it always passes).
 """
 
 import json
+import math
 import os
 import sys
 import time
 
 import torch
 
+from config import parse_config
+from parallel import setup_dist
+from rollout import Engine
+from sparsity import alpha_sample, bin_index, bin_stats, dense_logprobs, fixed_budget, fraction_budget
+from tasks import encode_pool, load_problems
+from warmstart import build_policy
+
+
+# ----------------------------------------------------------------------------- the schedule: pages per length bin
+
+
+class Schedule:
+    """Sparrow's schedule: read table[i] pages while the cached length is in bin i (bins of `bin_pages` pages;
+    the last entry holds beyond the table). It is an engine budget function, `Engine(sparse=schedule)`; the
+    engine keeps the object, so a Controller that edits the table steers the next `generate` call.
+
+    threshold  the p5 alpha that the table was calibrated for (the Controller's default target)
+    min_pages, max_pages  bounds for every entry (max None: unbounded; the engine reads at most what is cached)
+    Save `state_dict()` with the checkpoint and `load_state_dict()` it on resume."""
+
+    def __init__(self, table, bin_pages, threshold=0.86, min_pages=1, max_pages=None):
+        if not (isinstance(bin_pages, int) and bin_pages >= 1):
+            raise ValueError(f"Schedule: bin_pages must be an int >= 1, got {bin_pages!r}")
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"Schedule: threshold is a p5 alpha in [0, 1], got {threshold}")
+        if min_pages < 1 or (max_pages is not None and max_pages < min_pages):
+            raise ValueError(f"Schedule: want 1 <= min_pages <= max_pages, got {min_pages}, {max_pages}")
+        self.bin_pages, self.threshold, self.min_pages, self.max_pages = bin_pages, threshold, min_pages, max_pages
+        self.table = [int(x) for x in table]
+        if not self.table:
+            raise ValueError("Schedule: the table is empty")
+        bad = [(i, x) for i, x in enumerate(self.table) if x != self.clamp(x)]
+        if bad:
+            raise ValueError(f"Schedule: table entries (bin, pages) {bad} lie outside [min_pages={min_pages}, "
+                             f"max_pages={max_pages}]")
+
+    # no __len__: the engine tests `sparse or None`, and an object with a length could read as False
+
+    def __call__(self, n_pages):
+        return self.table[bin_index(n_pages, self.bin_pages, len(self.table))]
+
+    budget = __call__
+
+    def clamp(self, pages):
+        pages = max(self.min_pages, int(pages))
+        return pages if self.max_pages is None else min(self.max_pages, pages)
+
+    def extend(self, n_bins):
+        """Give the bins up to n_bins their own entries, each a copy of the last (which already held there)."""
+        self.table += [self.table[-1]] * (n_bins - len(self.table))
+
+    def state_dict(self):
+        return {"table": list(self.table), "bin_pages": self.bin_pages, "threshold": self.threshold,
+                "min_pages": self.min_pages, "max_pages": self.max_pages}
+
+    def load_state_dict(self, sd):
+        missing = {"table", "bin_pages", "threshold", "min_pages", "max_pages"} - set(sd)
+        if missing:
+            raise KeyError(f"Schedule.load_state_dict: missing keys {sorted(missing)}")
+        self.__init__(sd["table"], sd["bin_pages"], sd["threshold"], sd["min_pages"], sd["max_pages"])
+
+    def __repr__(self):
+        return f"Schedule(table={self.table}, bin_pages={self.bin_pages}, threshold={self.threshold})"
+
+
+def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
+    """Offline calibration: the smallest candidate budget per bin whose p5 alpha reaches `threshold`.
+
+    measure(table) -> p5 per bin: `bins` floats, NaN for a bin without tokens (see calibrate_engine).
+    The sweep measures one uniform table, [c] * bins, per candidate c in ascending order, and each bin keeps the
+    first c at which its own p5 passes: len(candidates) measurements instead of one per (bin, candidate). That
+    treats the bins as independent. They are not quite: a token's mismatch comes mostly from its own step's
+    budget, but earlier steps' budgets reach it through the keys and values that sparse layers wrote and
+    through the tokens sampled. The online Controller corrects what this leaves.
+    The sweep stops at the first candidate at which every bin with tokens has passed. A bin without tokens at
+    any candidate copies the bin before it; one that failed while it had tokens and has none at the largest
+    candidate (sparse rollouts that ran long where dense ones stop) gets the largest candidate; `monotone` lifts
+    each bin to at least the one before it (the tail worsens with length; lifting never breaks a bin's threshold).
+    A bin that no candidate satisfies is an error: include a candidate at least as large as the bin's cached
+    pages, which reads it densely."""
+    cands = sorted({int(c) for c in candidates})
+    if not cands or cands[0] < 1:
+        raise ValueError(f"calibrate: candidates must be page counts >= 1, got {candidates}")
+    chosen, best, seen = [None] * bins, [float("nan")] * bins, [False] * bins
+    last = [True] * bins  # whether the bin had tokens at the latest candidate
+    for c in cands:
+        p5 = [float(x) for x in measure([c] * bins)]
+        if len(p5) < bins:
+            raise ValueError(f"calibrate: measure returned {len(p5)} bins, expected {bins}")
+        for b in range(bins):
+            last[b] = not math.isnan(p5[b])
+            if not last[b]:
+                continue
+            best[b] = max(best[b], p5[b]) if seen[b] else p5[b]
+            seen[b] = True
+            if chosen[b] is None and p5[b] >= threshold:
+                chosen[b] = c
+        if all(ch is not None or not s for ch, s in zip(chosen, seen)) and any(seen):
+            break
+    for b in range(bins):  # failed while it had tokens, then lost them (rollouts got shorter): the safe side
+        if seen[b] and chosen[b] is None and not last[b]:
+            chosen[b] = cands[-1]
+    fail = [(b, round(best[b], 4)) for b in range(bins) if seen[b] and chosen[b] is None]
+    if fail:
+        raise ValueError(f"calibrate: bins (bin, best p5) {fail} stay below {threshold} at the largest candidate "
+                         f"{cands[-1]} pages: add larger candidates")
+    if not any(seen):
+        raise ValueError("calibrate: measure returned no tokens in any bin")
+    first = next(ch for ch in chosen if ch is not None)  # bins before the first measured one copy it
+    table = []
+    for ch in chosen:
+        prev = table[-1] if table else first
+        if ch is None:
+            ch = prev
+        table.append(max(ch, prev) if monotone else ch)
+    return table
+
+
+def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins=None, group_size=1,
+                     threshold=0.86, seed=0, min_count=1, max_new_tokens=256, temperature=1.0, page_size=16,
+                     **engine_kw):
+    """`calibrate` on a real model: measure(table) generates sparse rollouts of `prompt_ids` with that table,
+    recomputes the sampled tokens' log-probs with a dense full forward (dense_logprobs), takes alpha_sample per
+    token and its p5 per bin (bins of pages cached, aligned with the schedule; bins with fewer than `min_count`
+    tokens count as empty). Every candidate samples with the same seed. engine_kw go to rollout.Engine
+    (scorer, keep_recent, dense_layers, ...). Returns a Schedule."""
+    if n_bins is None:  # enough bins for the longest prompt plus max_new_tokens
+        longest = max(len(p) for p in prompt_ids) + max_new_tokens
+        n_bins = -(-longest // page_size) // bin_pages + 1
+
+    def measure(table):
+        engine = Engine(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
+                        page_size=page_size, sparse=Schedule(table, bin_pages), **engine_kw)
+        ro = engine.generate(prompt_ids, group_size=group_size, seed=seed)
+        alpha = alpha_sample(dense_logprobs(model, prompt_ids, ro, temperature), ro.logp)
+        st = bin_stats(alpha, ro.mask, ro.budget_dense, bin_pages, n_bins)
+        return torch.where(st["count"] >= max(1, min_count), st["p5"], float("nan")).tolist()
+
+    return Schedule(calibrate(measure, n_bins, candidates, threshold), bin_pages, threshold)
+
+
+# ----------------------------------------------------------------------------- the controller: online correction
+
+
+class Controller:
+    """Online: after every step's rollouts, `observe(p5, count)` (from bin_stats) moves each bin's budget toward
+    the smallest one whose p5 alpha stays at `target`.
+
+    - p5 < target: raise the bin by step_pages at once (a collapse costs more than a slow step), and remember
+      that the old budget failed: the bin's floor becomes the new budget.
+    - p5 >= target for `patience` observations in a row: lower it by step_pages, unless that would go below
+      the floor (a budget known to fail). This probing goes on inside the deadband, so started from too large
+      a table the controller still walks down to the minimal one; a rule that only lowered above
+      target + deadband would stop anywhere inside the band.
+    - The floor is the hysteresis: once a bin has failed one step down, it holds instead of oscillating. It is
+      forgotten (back to min_pages) after 5 * patience observations in a row at least `deadband` above the
+      target: the policy has drifted to a place where the tail has room, so a lower budget is worth a probe.
+      (If one step of budget moves p5 by more than the deadband, that probe recurs every so often.)
+    - Bins with fewer than `min_count` tokens (or NaN) are left alone: a 5th percentile needs tokens.
+    - Entries stay within the schedule's [min_pages, max_pages]; bins past the table get their own entries.
+    Noise that drops the minimal budget's p5 below target leaves the bin a step high: the safe side."""
+
+    def __init__(self, schedule, target=None, step_pages=None, deadband=0.02, patience=3, min_count=64):
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"Controller wants a Schedule, got {type(schedule).__name__}")
+        self.schedule = schedule
+        self.target = schedule.threshold if target is None else target
+        self.step = step_pages if step_pages is not None else max(1, schedule.bin_pages // 8)
+        if self.step < 1 or patience < 1 or deadband < 0:
+            raise ValueError(f"Controller: want step_pages >= 1, patience >= 1, deadband >= 0, got "
+                             f"{self.step}, {patience}, {deadband}")
+        self.deadband, self.patience, self.min_count = deadband, patience, min_count
+        n = len(schedule.table)
+        self.floor, self.calm, self.room = [schedule.min_pages] * n, [0] * n, [0] * n
+
+    def observe(self, p5, count=None):
+        """p5 (n_bins,) per-bin 5th percentile of alpha; count (n_bins,) tokens per bin. Returns
+        {"raised": bins raised, "lowered": bins lowered}."""
+        p5 = [float(x) for x in p5]
+        count = [int(x) for x in count] if count is not None else [self.min_count] * len(p5)
+        s, moved = self.schedule, {"raised": 0, "lowered": 0}
+        if len(p5) > len(s.table):
+            s.extend(len(p5))
+        for lst, fill in ((self.floor, s.min_pages), (self.calm, 0), (self.room, 0)):
+            lst += [fill] * (len(s.table) - len(lst))
+        for b, (x, n) in enumerate(zip(p5, count)):
+            if math.isnan(x) or n < self.min_count:
+                continue
+            pages = s.table[b]
+            if x < self.target:
+                s.table[b] = self.floor[b] = s.clamp(pages + self.step)
+                self.calm[b] = self.room[b] = 0
+                moved["raised"] += s.table[b] != pages
+                continue
+            self.calm[b] += 1
+            self.room[b] = self.room[b] + 1 if x >= self.target + self.deadband else 0
+            if self.room[b] >= 5 * self.patience:
+                self.floor[b], self.room[b] = s.min_pages, 0
+            lower = s.clamp(pages - self.step)
+            if self.calm[b] >= self.patience and self.floor[b] <= lower < pages:
+                s.table[b], self.calm[b] = lower, 0
+                moved["lowered"] += 1
+        return moved
+
+    def state_dict(self):
+        return {"target": self.target, "floor": list(self.floor), "calm": list(self.calm), "room": list(self.room)}
+
+    def load_state_dict(self, sd):
+        self.target = sd["target"]
+        self.floor, self.calm, self.room = list(sd["floor"]), list(sd["calm"]), list(sd["room"])
+
+
+# ----------------------------------------------------------------------------- from a config
+
+
+def kv_budget(cfg, model=None, tok=None, pool_ids=None, log=print, rank=0):
+    """The rollout engine's KV budget from the config: False (dense) or a function of the cached page count.
+    kv_budget=calibrate runs the sweep on `model` and (rank 0) saves the table to out_dir/kv_schedule.json."""
+    kind, _, arg = cfg.kv_budget.partition(":")
+    if kind == "schedule":
+        return load_schedule(arg, cfg.page_size)
+    if kind == "calibrate":
+        sched = calibrated_schedule(cfg, model, tok, pool_ids, log)
+        if rank == 0:
+            save_schedule(sched, os.path.join(cfg.out_dir, "kv_schedule.json"), cfg)
+        return sched
+    try:
+        if kind == "dense":
+            return False
+        if kind == "fraction":
+            return fraction_budget(float(arg))
+        if kind == "fixed":
+            return fixed_budget(int(arg))
+        if kind == "table":
+            return Schedule([int(x) for x in arg.split(",")], cfg.kv_bin_pages)
+    except ValueError as e:
+        raise ValueError(f"config key 'kv_budget': {e}") from None
+    raise ValueError(f"config key 'kv_budget' must be dense, fraction:F, fixed:N, table:N1,N2,..., schedule:PATH or "
+                     f"calibrate, got {cfg.kv_budget!r}")
+
 
 def calibrated_schedule(cfg, model, tok, pool_ids, log=print):
-    """The sweep on the run's own settings -> a sparsity.Schedule."""
-    from sparsity import calibrate_engine
+    """The sweep on the run's own settings -> a Schedule."""
     prompt_ids = pool_ids[:cfg.calib_prompts]
     if not prompt_ids:
         raise ValueError("calibrate: no training prompts to calibrate on")
@@ -56,9 +302,8 @@ def save_schedule(sched, path, cfg):
 
 
 def load_schedule(path, page_size=None):
-    """A schedule written by save_schedule -> sparsity.Schedule. A page size other than the one it was calibrated
+    """A schedule written by save_schedule -> Schedule. A page size other than the one it was calibrated
     for is refused: its bins and budgets count pages."""
-    from sparsity import Schedule
     try:
         with open(path) as f:
             sd = json.load(f)
@@ -74,15 +319,14 @@ def load_schedule(path, page_size=None):
 
 
 def main(argv):
-    import train
-    cfg = train.parse_config(argv)
+    cfg = parse_config(argv)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    _, _, dev = train.setup_dist(cfg)
+    _, _, dev = setup_dist(cfg)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    model, tok = train.build_policy(cfg, dev, print)
-    problems, _ = train.load_problems(cfg)
-    _, pool_ids = train.encode_pool(tok, problems, cfg, model.config.max_position_embeddings, print)
+    model, tok = build_policy(cfg, dev, print)
+    problems, _ = load_problems(cfg)
+    _, pool_ids = encode_pool(tok, problems, cfg, model.config.max_position_embeddings, print)
     sched = calibrated_schedule(cfg, model.eval(), tok, pool_ids)
     path = os.path.join(cfg.out_dir, "kv_schedule.json")
     save_schedule(sched, path, cfg)

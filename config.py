@@ -41,14 +41,14 @@ class Config:
     task: str = "synthetic"  # synthetic | gsm8k | math | code (MBPP, rewarded by unit tests in the sandbox)
     data: str = ""  # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
     difficulty: tuple = (2, 8)  # synthetic task: range of chain lengths
-    order: str = "defined"  # synthetic task: defined | shuffled (see prompts.make_synthetic)
+    order: str = "defined"  # synthetic task: defined | shuffled (see tasks.make_synthetic)
     n_train: int = 0  # problems in the training pool (0 = every row of a dataset; synthetic needs a number)
     n_eval: int = 500  # held-out problems
     # warm start (the tiny model only)
     sft_steps: int = 600
     sft_batch: int = 16
     sft_lr: float = 1e-3
-    sft_noise: float = 0.0  # fraction of teacher traces that end with the wrong convention (see teacher_trace)
+    sft_noise: float = 0.0  # fraction of teacher traces that end with the wrong convention (warmstart.py)
     sft_difficulty: tuple = ()  # synthetic warm start: range of chain lengths for SFT (empty: difficulty)
     sft_init: str = ""  # synthetic warm start: SFT from a checkpoint, or from a config file's own warm start, not scratch
     # rollout
@@ -115,15 +115,6 @@ class Config:
     # disaggregated mode under torchrun: the last `rollout_ranks` ranks only generate, the others only train
     rollout_ranks: int = 0
     max_staleness: int = 1  # 0: rollouts wait for the newest weights; 1: they may be one version behind (TIS)
-
-    # not config keys: run state that train.py attaches to the config it was given
-    _rank, _world = 0, 1
-    _group = None  # the process group of this rank's role (None: every rank)
-    _replica = None  # FSDP: the full-weight replica that the engines read
-    _ref_model = None  # kl_coef > 0: the frozen reference policy
-    _schedule = _controller = None  # table KV budgets: the engine's Schedule, and its Controller when on
-    _distill = None  # distill_r > 0: the distill.DistillSparse whose model generates the rollouts
-    _dense_engine = None  # kv_compare_every > 0: a dense engine on the rollout model, for the speed comparison
 
 
 # ----------------------------------------------------------------------------- config parsing

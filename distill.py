@@ -20,7 +20,7 @@ How it fits together:
        for that query. Every key and value the engine cached was computed under the same masks, so the replay
        reproduces the rollout's log-probs (tests/test_distill.py: <= 1e-5 in fp32) without a decode loop.
     3. The loss on rollout tokens: coef * KL(dense || sparse) per position, summed over the vocabulary, with the
-       dense distribution the trainer already computed for its old log-probs (train.token_logprobs(full=True))
+       dense distribution the trainer already computed for its old log-probs (update.token_logprobs(full=True))
        and, with `pg`, plus the policy-gradient loss on the sparse replay (so the adapter also follows the
        reward, as Sparrow's optional term). Without `pg`, coef only scales the gradient (AdamW undoes most of it).
     4. The effect shows in the mismatch statistic: p5 of alpha per bin, which train.py logs every step.

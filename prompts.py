@@ -1,13 +1,14 @@
-"""Stage 1, sparse signal: tasks and datasets -> a pool of Problems, and which prompts to train on.
+"""
+prompts.py: stage 1, sparse signal. Which prompts to train on.
 
 A prompt the policy always solves, or never solves, gives a group of equal rewards: zero advantage,
 no gradient, only cost. The growth zone is what lies between. This file holds:
-  - the tasks: the embedded synthetic task (no downloads) and its character tokenizer; GSM8K, MATH
-    and MBPP (code, task "code") loaders, from hub names or local .jsonl/.json/.parquet files;
   - PromptSampler: uniform, without replacement within an epoch (the baseline);
   - PassRates and GrowthZoneSampler: a decayed Beta posterior per prompt, and Thompson draws that
     fill most of the batch from the zone while the rest explores the prompts picked longest ago;
-  - group_has_signal: DAPO's test for a group worth training on (the refill loop is train.py's).
+  - make_sampler: the one a config asks for;
+  - group_has_signal: DAPO's test for a group worth training on;
+  - refill_size: how many prompts a refill draws (the refill loop is train.collect's).
 
 Simplifications:
   1. A pass is a reward >= threshold; the posterior ignores how far above or below it a reward is.
@@ -25,264 +26,14 @@ Simplifications:
 """
 from __future__ import annotations
 
-import os
+import math
 import random
-import string
-import warnings
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from reward import extract_boxed, extract_hash_answer
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
-
-TASKS = ("synthetic", "gsm8k", "math", "code")
-GSM8K_INSTRUCTION = "\nSolve the problem step by step, then end with a line of the form \"#### <answer>\"."
-MATH_INSTRUCTION = "\nSolve the problem step by step, and put the final answer in \\boxed{}."
-CODE_INSTRUCTION = "\nWrite the complete Python code in a ```python code block."
-
-
-@dataclass
-class Problem:
-    prompt: str
-    answer: str
-    task: str  # one of TASKS
-    meta: dict = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------------
-# Synthetic task: "c=4,a=7,b=2?a+b+a\n" -> trace "a=7>7 b=2>9 a=7>6 #6", answer "6".
-# Every step must look a value up in the assignment list at the start, and the answer is the
-# running sum mod 10, so the final token depends on the whole chain. Trace length is 6*d+2 chars.
-
-def _trace(values: dict, terms: Sequence[str]) -> tuple[str, str]:
-    steps, total = [], 0
-    for t in terms:
-        total = (total + values[t]) % 10
-        steps.append(f"{t}={values[t]}>{total}")
-    return " ".join(steps) + f" #{total}", str(total)
-
-
-def _names(rng: random.Random, k: int) -> list[str]:
-    """k distinct variable names: single letters while they last, then two-letter names."""
-    pool = list(string.ascii_lowercase) if k <= 26 else [x + y for x in string.ascii_lowercase for y in string.ascii_lowercase]
-    if k > len(pool):
-        raise ValueError(f"the synthetic task supports at most {len(pool)} variables, asked for {k}")
-    return rng.sample(pool, k)
-
-
-def make_synthetic(n: int, seed: int, difficulty: Union[int, tuple[int, int]] = (1, 8),
-                   order: str = "defined") -> list[Problem]:
-    """n problems, deterministic from `seed`; each draws d uniformly from the inclusive `difficulty` range.
-
-    d is the number of terms to add. `order` sets how hard each lookup is:
-      "defined":  d variables, summed in the order they are defined (the value to look up sits at a position
-                  that moves steadily through the prompt: a small model learns it in a few hundred SFT steps);
-      "shuffled": d of d + 2 variables, summed in a random order (each lookup must match the name itself:
-                  much harder for a small model).
-    """
-    lo, hi = (difficulty, difficulty) if isinstance(difficulty, int) else tuple(difficulty)
-    if lo < 1 or hi < lo:
-        raise ValueError(f"difficulty must be an int >= 1 or a range (lo, hi) with 1 <= lo <= hi, got {difficulty!r}")
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    if order not in ("defined", "shuffled"):
-        raise ValueError(f"order must be 'defined' or 'shuffled', got {order!r}")
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        d = rng.randint(lo, hi)
-        names = _names(rng, d if order == "defined" else d + 2)
-        values = {name: rng.randint(0, 9) for name in names}
-        terms = names if order == "defined" else rng.sample(names, d)
-        prompt = ",".join(f"{k}={v}" for k, v in values.items()) + "?" + "+".join(terms) + "\n"
-        trace, answer = _trace(values, terms)
-        out.append(Problem(prompt, answer, "synthetic", {"difficulty": d, "trace": trace}))
-    return out
-
-
-def synthetic_trace(problem: Problem) -> str:
-    """The reference completion (what SFT trains on), recomputed from the prompt itself."""
-    assigns, _, expr = problem.prompt.strip().partition("?")
-    values = {k: int(v) for k, v in (a.split("=") for a in assigns.split(","))}
-    return _trace(values, expr.split("+"))[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# Character-level tokenizer for the synthetic task.
-
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
-CHARS = "\n" + "".join(chr(c) for c in range(32, 127))  # ids 3.. : newline, then printable ASCII
-
-
-def build_char_tokenizer(out_dir: str) -> "PreTrainedTokenizerFast":
-    """One token per character, no BOS/EOS added, exact decode round-trip; saved to out_dir and reloaded.
-
-    Unknown characters map to "<unk>". Note: the literal texts "<pad>", "<eos>", "<unk>" in an
-    input are read as the special tokens themselves, not as five characters.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(CHARS))}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char, "\n" too
-    tk.decoder = decoders.Fuse()  # concatenate; the default would join tokens with spaces
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-        clean_up_tokenization_spaces=False,  # would otherwise rewrite " ." -> "." on decode
-    )
-    os.makedirs(out_dir, exist_ok=True)
-    fast.save_pretrained(out_dir)
-    return AutoTokenizer.from_pretrained(out_dir)
-
-
-def format_prompt(tokenizer, problem: Problem, chat_template: bool) -> str:
-    """The text to feed the policy: the chat-templated user turn if asked for and available, else the raw prompt."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": problem.prompt}], tokenize=False, add_generation_prompt=True
-        )
-    return problem.prompt
-
-
-# ---------------------------------------------------------------------------------------------
-# GSM8K / MATH loaders.
-
-def _load_rows(source: str, split: str, config: Optional[str]):
-    import datasets
-
-    if os.path.isfile(source) and source.endswith((".jsonl", ".json", ".parquet")):
-        kind = "parquet" if source.endswith(".parquet") else "json"
-        return datasets.load_dataset(kind, data_files=source, split="train")
-    if config is None:
-        return datasets.load_dataset(source, split=split)
-    return datasets.load_dataset(source, config, split=split)
-
-
-def _text_field(row: dict, key: str) -> tuple[Optional[str], Optional[str]]:
-    """(value, None) for a usable string field, else (None, reason)."""
-    v = row.get(key)
-    if v is None:
-        return None, f"missing '{key}'"
-    if not isinstance(v, str):
-        return None, f"non-string '{key}'"
-    if not v.strip():
-        return None, f"empty '{key}'"
-    return v, None
-
-
-def _collect(rows: Iterable[dict], parse, name: str, limit: Optional[int]) -> list[Problem]:
-    """Parse rows with `parse(row, i) -> (Problem | None, reason | None)`; warn once about skipped rows."""
-    good, skipped, total = [], Counter(), 0
-    for i, row in enumerate(rows):
-        if limit is not None and len(good) >= limit:
-            break
-        total += 1
-        prob, reason = parse(row, i)
-        if prob is None:
-            skipped[reason] += 1
-        else:
-            good.append(prob)
-    if skipped:
-        detail = ", ".join(f"{r}: {c}" for r, c in skipped.items())
-        msg = f"{name}: skipped {sum(skipped.values())} of {total} malformed rows: {detail}"
-        if not good:
-            raise ValueError(msg)
-        warnings.warn(msg, stacklevel=3)
-    return good
-
-
-def problems_from_gsm8k_rows(rows: Iterable[dict], name: str = "gsm8k", limit: Optional[int] = None) -> list[Problem]:
-    """GSM8K-schema rows ({"question", "answer": "... #### 72"}) -> Problems; malformed rows skipped with a warning."""
-    def parse(row, i):
-        q, why = _text_field(row, "question")
-        if why:
-            return None, why
-        a, why = _text_field(row, "answer")
-        if why:
-            return None, why
-        if "####" not in a:
-            return None, "no '####' in answer"
-        gold = extract_hash_answer(a)
-        if gold is None:
-            return None, "nothing after '####' in answer"
-        return Problem(q.strip() + GSM8K_INSTRUCTION, gold, "gsm8k", {"solution": a, "index": i}), None
-
-    return _collect(rows, parse, name, limit)
-
-
-def problems_from_math_rows(rows: Iterable[dict], name: str = "math", limit: Optional[int] = None) -> list[Problem]:
-    """MATH-schema rows -> Problems. The answer is the row's `answer` field when present (MATH-500),
-    else the last \\boxed{} of `solution`. level/type/subject are kept in meta."""
-    def parse(row, i):
-        p, why = _text_field(row, "problem")
-        if why:
-            return None, why
-        meta = {k: row[k] for k in ("level", "type", "subject") if row.get(k) is not None}
-        meta["index"] = i
-        if row.get("answer") is not None:
-            gold, why = _text_field(row, "answer")
-            if why:
-                return None, why
-        else:
-            sol, why = _text_field(row, "solution")
-            if why:
-                return None, why
-            gold = extract_boxed(sol)
-            if not gold:
-                return None, "no \\boxed{} in solution"
-            meta["solution"] = sol
-        return Problem(p.strip() + MATH_INSTRUCTION, gold.strip(), "math", meta), None
-
-    return _collect(rows, parse, name, limit)
-
-
-def load_gsm8k(source: str = "openai/gsm8k", split: str = "train", limit: Optional[int] = None) -> list[Problem]:
-    """GSM8K from the hub (config "main") or a local .jsonl/.json/.parquet file in the same schema."""
-    return problems_from_gsm8k_rows(_load_rows(source, split, "main"), f"gsm8k ({source})", limit)
-
-
-def load_math(source: str = "DigitalLearningGmbH/MATH-lighteval", split: str = "train",
-              limit: Optional[int] = None) -> list[Problem]:
-    """MATH (or MATH-500 style, with an `answer` column) from the hub or a local file."""
-    return problems_from_math_rows(_load_rows(source, split, None), f"math ({source})", limit)
-
-
-def problems_from_mbpp_rows(rows: Iterable[dict], name: str = "mbpp", limit: Optional[int] = None) -> list[Problem]:
-    """MBPP-schema rows -> code Problems. The prompt shows the first test (after the setup code, if
-    any) as an example; the answer is the reference code; meta keeps task_id, test_list,
-    test_setup_code and challenge_test_list, which the reward's sandbox stage runs."""
-    def parse(row, i):
-        text, why = _text_field(row, "text")
-        if why:
-            return None, why
-        code, why = _text_field(row, "code")
-        if why:
-            return None, why
-        tests, setup = row.get("test_list"), row.get("test_setup_code") or ""
-        if not (isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) and t.strip() for t in tests)):
-            return None, "no usable 'test_list'"
-        if not isinstance(setup, str):
-            return None, "non-string 'test_setup_code'"
-        example = f"{setup.strip()}\n{tests[0]}" if setup.strip() else tests[0]  # the test may use names set up there
-        prompt = f"{text.strip()}\nYour code should pass this test:\n{example}{CODE_INSTRUCTION}"
-        meta = {"task_id": row.get("task_id"), "test_list": list(tests), "test_setup_code": setup,
-                "challenge_test_list": list(row.get("challenge_test_list") or []), "index": i}
-        return Problem(prompt, code, "code", meta), None
-
-    return _collect(rows, parse, name, limit)
-
-
-def load_mbpp(source: str = "google-research-datasets/mbpp", split: str = "train",
-              limit: Optional[int] = None) -> list[Problem]:
-    """MBPP ("full" config: text, code, test_list, ...) from the hub or a local file in that schema."""
-    return problems_from_mbpp_rows(_load_rows(source, split, None), f"mbpp ({source})", limit)
+from tasks import Problem
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,3 +266,20 @@ def group_has_signal(rewards, min_spread: float = 0.0, spread: str = "range") ->
         return False
     r = r - r[0]  # equal rewards become exact zeros, so their std is exactly 0, not a rounding error
     return bool((r.max() - r.min() if spread == "range" else r.std()) > min_spread)
+
+
+def refill_size(n_local: int, n_kept: int, drawn: int, signals: int) -> int:
+    """Prompts per rank for the next refill try: what is still missing, scaled up by the keep rate seen so far
+    in this step (drawn groups over groups with signal), never more than a whole batch.
+
+    16 wanted, 14 kept, 3 in 4 groups with signal so far: ceil(2 * 4 / 3) = 3 prompts, not 16."""
+    return min(n_local, math.ceil((n_local - n_kept) * drawn / max(1, signals)))
+
+
+def make_sampler(cfg, problems: Sequence[Problem]):
+    """The sampler that config key `sampler` names: growth (the growth zone) or uniform (the baseline)."""
+    if cfg.sampler == "growth":
+        return GrowthZoneSampler(problems, cfg.seed, zone=cfg.zone, explore=cfg.explore)
+    if cfg.sampler == "uniform":
+        return PromptSampler(problems, cfg.seed)
+    raise ValueError(f"config key 'sampler' must be growth or uniform, got {cfg.sampler!r}")

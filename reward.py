@@ -40,6 +40,7 @@ Simplifications:
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import inspect
 import json
@@ -58,86 +59,7 @@ from queue import Queue
 from typing import Callable, Optional, Sequence
 
 from sandbox import extract_code, run_program, run_tests
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-_BOX_START = re.compile(r"\\(?:boxed|fbox)")
-
-
-def _clean_number(s: str) -> str:
-    return s.replace(",", "").rstrip(".")
-
-
-def extract_hash_answer(text: str) -> Optional[str]:
-    """The number after the last "####" (GSM8K style), commas and a trailing "." stripped.
-
-    "#### 1,234." -> "1234". Returns None when there is no "####", or nothing after it.
-    If what follows is not a number, the rest of that line is returned as is.
-    """
-    if not isinstance(text, str) or "####" not in text:
-        return None
-    rest = text[text.rfind("####") + 4:].strip()
-    rest = rest.splitlines()[0].strip() if rest else ""
-    m = _NUMBER.search(rest)
-    if m:
-        return _clean_number(m.group(0))
-    return rest.rstrip(".") or None
-
-
-def last_number(text: str) -> Optional[str]:
-    """The last number anywhere in the text (commas stripped), or None."""
-    if not isinstance(text, str):
-        return None
-    found = _NUMBER.findall(text)
-    return _clean_number(found[-1]) if found else None
-
-
-def _braced(text: str, i: int) -> Optional[str]:
-    """Content of the brace group opening at text[i] == "{", nested braces and \\{ \\} escapes handled."""
-    depth, j = 0, i
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2  # an escaped character (\{, \}, \\) never opens or closes a group
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1:j]
-        j += 1
-    return None  # unbalanced
-
-
-def extract_boxed(text: str) -> Optional[str]:
-    """The content of the LAST \\boxed{...} (or \\fbox{...}) in the text, nested braces handled.
-
-    "\\boxed{\\frac{a}{b^{2}}}" -> "\\frac{a}{b^{2}}". The brace-less form "\\boxed 5" gives "5".
-    A last box that is never closed (a truncated completion) falls back to the one before it.
-    Returns None when there is no usable box.
-    """
-    if not isinstance(text, str):
-        return None
-    for m in reversed(list(_BOX_START.finditer(text))):
-        k = m.end()
-        if text[k:k + 1] == "{":
-            content = _braced(text, k)
-            if content is not None:
-                return content.strip()
-        elif text[k:k + 1] == " ":
-            tok = re.match(r" +([^\s$]+)", text[k:])
-            if tok:
-                return tok.group(1)
-    return None
-
-
-def extract_synthetic(text: str) -> Optional[str]:
-    """The token after the last "#" (up to whitespace or the end): "a=7>7 b=2>9 #9" -> "9"."""
-    if not isinstance(text, str) or "#" not in text:
-        return None
-    m = re.match(r"[ \t]*(\S+)", text[text.rfind("#") + 1:])
-    return m.group(1) if m else None
-
+from tasks import EXTRACTORS, Problem, extract_answer
 
 def normalize_answer(s: Optional[str]) -> str:
     """A small canonical form so that trivially different spellings compare equal.
@@ -184,28 +106,6 @@ def cheap_verdict(pred: Optional[str], gold: Optional[str]) -> Optional[bool]:
         return True
     ip, ig = _integer(p), _integer(g)
     return None if ip is None or ig is None else ip == ig
-
-
-def _extract_gsm8k(text: str) -> Optional[str]:
-    ans = extract_hash_answer(text)
-    return ans if ans is not None else last_number(text)
-
-
-# task -> extractor. Code has none: its cheap check and its verifier live in the cascade.
-EXTRACTORS: dict[str, Callable[[str], Optional[str]]] = {
-    "synthetic": extract_synthetic,
-    "gsm8k": _extract_gsm8k,
-    "math": extract_boxed,
-}
-
-
-def extract_answer(task: str, text: str) -> Optional[str]:
-    """Dispatch to the extractor for `task`; ValueError for an unknown task."""
-    try:
-        fn = EXTRACTORS[task]
-    except KeyError:
-        raise ValueError(f"no answer extractor for task {task!r}; known: {sorted(EXTRACTORS)}") from None
-    return fn(text)
 
 
 def score_one(problem, completion: str) -> float:
@@ -607,11 +507,21 @@ class Cascade:
             res.notes += [f"{stage}: {status}"][:10 - len(res.notes)]
 
 
+def load_judge(spec: str) -> Optional[Callable]:
+    """'module:function' -> the callable, imported by name (the user's own file; nothing is registered).
+    Empty: no judge."""
+    if not spec:
+        return None
+    mod, _, fn = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"config key 'judge': cannot import {spec!r} ({e})") from None
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--math-worker"]:
         sys.exit(_math_worker(int(sys.argv[2]), int(sys.argv[3])))
-    from prompts import Problem
-
     half = Problem("What is 1/2 of 1?", r"\frac{1}{2}", "math")
     add = Problem("Write add(a, b).", "def add(a, b): return a + b", "code", {"test_list": ["assert add(1, 2) == 3"]})
     batch = [(half, r"so \boxed{\frac{1}{2}}"), (half, r"so \boxed{\frac{1}{2}}"), (half, r"so \boxed{0.5}"),

@@ -13,7 +13,7 @@ prefilled once per group and, optionally, block-sparse decode attention.
     from sparsity import fraction_budget                      # sparse decode: read 1/8 of the KV pages
     engine = Engine(model, tokenizer, sparse=fraction_budget(1 / 8), scorer="centroid")
 
-    python bench.py rollout [--quick]                         # speed against transformers, sharing, sparsity
+    python -m bench rollout [--quick]                         # speed against transformers, sharing, sparsity
 
 What one call does:
     1. Prefill: each distinct prompt goes through the model once (prompts batched, right-padded, causal SDPA),
@@ -122,6 +122,7 @@ class PagedKVCache:
         self.budget, self.scorer, self.keep_first, self.keep_recent = budget, scorer, keep_first, keep_recent
         self.dense_layers = dense_layers
         self.record = None  # a list to record (step, rows, layer, sel, n_sel) of every sparse selection into
+        self.clock = None  # the engine's timing hook (Engine.clock)
 
     # ---- bookkeeping
 
@@ -230,12 +231,19 @@ class PagedKVCache:
         vp[self._dst] = v[:, :, 0].to(vp.dtype)
         self._write_meta(layer, self._filled)  # before selecting: a page that fills now is scored now
         sel = n_sel = None  # dense: every page
+        clock = self.clock  # the bench's timing hook: seconds of page selection and of attention, when set
         if self.budget is not None and layer >= self.dense_layers:
+            t0 = time.perf_counter() if clock is not None else 0.0
             sel, n_sel = self._select(layer, q[:, :, 0])
+            if clock is not None:
+                clock["select"] += time.perf_counter() - t0
             if self.record is not None:
                 self.record.append((self.step, self._rows, layer, sel, n_sel))
+        t0 = time.perf_counter() if clock is not None else 0.0
         y = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], self._table, self._seq_lens, sel, n_sel,
                              slots=self._slots)
+        if clock is not None:
+            clock["attn"] += time.perf_counter() - t0
         return y[:, :, None]  # (B, Hq, 1, D)
 
     def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
@@ -306,6 +314,7 @@ class Engine:
             raise ValueError(f"topk_logprobs must be an int in [0, vocab_size={V}], got {topk_logprobs!r}")
         self.topk = topk_logprobs
         self.record_pages = record_pages and self.budget is not None
+        self.clock = None  # {"attn": s, "select": s}: decode adds its attention and page-selection seconds (bench)
 
     def _check_lengths(self, prompt_ids):
         for i, p in enumerate(prompt_ids):
@@ -336,8 +345,10 @@ class Engine:
         longest = max(len(p) for p, _ in groups)
         need = sum(len(p) // ps + len(rows) * -(-(len(p) % ps + new) // ps) for p, rows in groups)  # worst case
         w = self.model.lm_head.weight
-        return PagedKVCache(self.model.config, N, -(-(longest + new) // ps), self.num_pages or need, ps, w.dtype,
-                            w.device, self.budget, self.scorer, self.keep_first, self.keep_recent, self.dense_layers)
+        cache = PagedKVCache(self.model.config, N, -(-(longest + new) // ps), self.num_pages or need, ps, w.dtype,
+                             w.device, self.budget, self.scorer, self.keep_first, self.keep_recent, self.dense_layers)
+        cache.clock = self.clock
+        return cache
 
     def _prefill(self, cache, groups, N):
         """Each distinct prompt through the model once, in length-sorted chunks of at most PREFILL_TOKENS padded

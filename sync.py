@@ -23,18 +23,7 @@ What it does:
     `recv_update` (torch.distributed, gloo or NCCL: one uint8 buffer); `FileTransport(folder)`: `.publish(update)`
     writes safetensors shards + manifest.json that appear complete (atomic rename), `.latest()`, `.poll(version)`.
 
-The rollout copy (the last section): a cheaper model generates; the trainer scores the same tokens in full precision.
-    copy = make_rollout_copy(policy, "fp8")   # "same" (the policy itself) | "bf16" | "fp8" | "nm2:4" (N:M-pruned)
-    engine = Engine(copy, tokenizer)          # and after each optimizer step:
-    refresh_rollout_copy(copy, policy)        # in place: fp8 re-quantises, nm re-masks; or a dict of tensors
-    describe_copy(copy)                       # 'fp8: 0.02 MiB of weights, 0.29x fp32; 14 Linear in fp8 W8A8 (..)'
-    fp8 swaps each Linear for an FP8Linear (e4m3 weights with per-output-channel scales, inputs scaled per token;
-    torch._scaled_mm on GPUs of compute capability 8.9+, simulated elsewhere); nm applies sparsity.apply_nm's
-    magnitude masks. The head, the embeddings and the MoE router stay in the copy's dtype. The copy's log-probs
-    differ from the trainer's, so the loss weights each token by truncated IS, min(p_train / p_rollout, C).
-    A bf16 copy can take Sender(policy, dtype=torch.bfloat16) updates directly. fp8 and nm copies hold other
-    tensors than the policy's (fp8 weights and scales; masked weights), so a remote one receives the bf16 delta
-    into a dense staging dict and then runs `refresh_rollout_copy(copy, staging)`.
+The rollout copy that receives the updates (bf16, fp8, N:M) is copies.py's.
 
 Simplifications:
     1. The sender keeps a shadow copy of what it shipped: one more copy of the model, in the receiver's dtype, on
@@ -46,16 +35,12 @@ Simplifications:
     5. One writer per FileTransport folder. A failed checksum leaves the receiver's weights unknown: resync with
        `sender.make_update(full=True)`.
     6. Tied weights (lm_head = embed_tokens) are shipped once; a receiver whose copies are not tied gets a copy.
-    7. The rollout copy is a whole second model, refreshed in full after every step. Off fp8 GPUs the fp8 copy
-       dequantises in every forward (slower than bf16: it measures the mismatch, not the speed), and N:M copies
-       store their zeros (masked dense: no speed without a 2:4 kernel).
 
 Run:
     python sync.py                          # delta vs full bytes for simulated Adam steps, fp32 and bf16 receivers
-    python -m pytest -q tests/test_sync.py tests/test_copies.py
+    python -m pytest -q tests/test_sync.py
 """
 
-import functools
 import hashlib
 import json
 import os
@@ -63,7 +48,6 @@ import re
 import shutil
 import time
 from collections import Counter
-from copy import deepcopy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,7 +55,6 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load as st_load, load_file, save as st_save, save_file
 
-from sparsity import apply_nm
 
 # ----------------------------------------------------------------------------- tensors, bits, checksum
 
@@ -532,158 +515,6 @@ class FileTransport:
         vs = [v for v in self.versions() if v > after_version]
         fulls = [v for v in vs if self.manifest(v)["kind"] != "delta"]
         return [self.load(v) for v in (vs[vs.index(fulls[-1]):] if fulls else vs)]
-
-# ----------------------------------------------------------------------------- the rollout copy: bf16, fp8, N:M
-
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-COPY_SKIP = ("lm_head", "embed", "gate.")  # kept in the copy's dtype: the head (tied embeddings), the MoE router
-
-
-def parse_form(form):
-    """'same' | 'bf16' | 'fp8' | 'nm<N>:<M>' ('nm' and '2:4' are accepted too) -> (kind, n, m, canonical name)."""
-    if form in ("same", "bf16", "fp8"):
-        return form, 0, 0, form
-    hit = re.fullmatch(r"(?:nm)?(\d+):(\d+)", "nm2:4" if form == "nm" else str(form))
-    if not hit or not 0 < int(hit[1]) <= int(hit[2]):
-        raise ValueError(f"rollout copy form {form!r}: expected 'same', 'bf16', 'fp8' or 'nm<N>:<M>' with "
-                         f"0 < N <= M, e.g. 'nm2:4'")
-    n, m = int(hit[1]), int(hit[2])
-    return "nm", n, m, f"nm{n}:{m}"
-
-
-def quantize_fp8(w):
-    """w (out, in) -> fp8 e4m3 (out, in), fp32 scales (out,): one scale per output row, amax / 448, so each row's
-    largest weight lands on fp8's largest value and w ~= q * scale[:, None]."""
-    scale = w.detach().abs().amax(1).float().clamp(min=1e-12) / FP8_MAX
-    return (w.detach().float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-@functools.cache
-def _fp8_gpu(device):
-    return torch.cuda.get_device_capability(device) >= (8, 9)  # Ada and Hopper have fp8 tensor cores
-
-
-class FP8Linear(nn.Module):
-    """A Linear with an fp8 weight and per-output-channel scales, run W8A8 as FP8 rollout engines do: each forward
-    also quantises its input per token (amax / 448), multiplies in fp8 and accumulates in fp32. torch._scaled_mm
-    does it on a GPU of compute capability 8.9 or more (for bf16 inputs and dimensions divisible by 16); elsewhere
-    the same numbers are simulated by dequantising both operands to fp32. `scaled_mm`: None picks by device and
-    shape, True or False forces a path (the tests compare them on the CPU, whose _scaled_mm is a reference)."""
-
-    def __init__(self, in_features, out_features, bias=None, device=None):
-        super().__init__()
-        self.in_features, self.out_features, self.scaled_mm = in_features, out_features, None
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
-        self.register_buffer("weight_scale", torch.empty(out_features, device=device))
-        self.bias = bias  # a Parameter in the copy's dtype, or None
-
-    @classmethod
-    def from_linear(cls, linear):
-        return cls(linear.in_features, linear.out_features, linear.bias, linear.weight.device).requantize(linear.weight)
-
-    @torch.no_grad()
-    def requantize(self, w):
-        q, s = quantize_fp8(w.to(self.weight.device))
-        self.weight.copy_(q)
-        self.weight_scale.copy_(s)
-        return self
-
-    def dequantized(self):  # (out, in) fp32
-        return self.weight.float() * self.weight_scale[:, None]
-
-    def forward(self, x):
-        shape, x = x.shape, x.reshape(-1, self.in_features)  # (M, in)
-        sx = x.detach().abs().amax(1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # (M, 1) per token
-        xq = (x.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()
-        use = self.scaled_mm
-        if use is None:
-            use = (x.is_cuda and x.dtype == torch.bfloat16 and _fp8_gpu(x.device)
-                   and self.in_features % 16 == 0 and self.out_features % 16 == 0)
-        if use:  # weight.t() is the column-major (in, out) operand that _scaled_mm wants
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=sx, scale_b=self.weight_scale[None], out_dtype=x.dtype)
-        else:
-            y = ((xq.float() * sx) @ self.dequantized().t()).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
-
-
-def make_rollout_copy(model, form="same"):
-    """The model that generates rollouts: the policy itself ('same'), or a copy in bf16, in fp8 (FP8Linear for
-    every Linear but the head and the router; the rest bf16), or N:M-pruned ('nm2:4': the policy's dtype, masked).
-    The copy is built without a full-precision duplicate (deepcopy with every parameter swapped for an empty one in
-    the copy's dtype) and then filled by `refresh_rollout_copy`. Its log-probs differ from the policy's: train
-    with truncated IS, min(p_train / p_rollout, C)."""
-    kind, _, _, name = parse_form(form)
-    model = getattr(model, "module", model)  # a DDP wrapper: copy what it wraps
-    if kind == "same":
-        return model
-    dtype = torch.bfloat16 if kind in ("bf16", "fp8") else None
-
-    def cast(t):
-        return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-    # deepcopy takes what the memo holds for an object it has already seen, so ties stay tied. Parameters start
-    # empty (refresh fills them); buffers are small and some are not in the state dict: cast them now.
-    memo = {id(p): nn.Parameter(torch.empty_like(p, dtype=cast(p)), requires_grad=False) for p in model.parameters()}
-    memo.update({id(b): b.detach().to(cast(b), copy=True) for b in model.buffers()})
-    copy = deepcopy(model, memo)
-    if kind == "fp8":
-        for mname, mod in list(copy.named_modules()):
-            if isinstance(mod, nn.Linear) and not any(s in f"{mname}.weight" for s in COPY_SKIP):
-                parent, _, child = mname.rpartition(".")
-                fp8 = FP8Linear(mod.in_features, mod.out_features, mod.bias, mod.weight.device)
-                setattr(copy.get_submodule(parent), child, fp8)
-    copy.rollout_form = name
-    return refresh_rollout_copy(copy.eval(), model)
-
-
-@torch.no_grad()
-def refresh_rollout_copy(copy, source, form=None):
-    """Re-derive the copy's weights from `source` (the policy, or a dict of its tensors, e.g. a Receiver's dense
-    staging copy) in place: the same tensors, so the engine and any captured graph keep pointing at them.
-    fp8 re-quantises; nm recomputes the magnitude masks on the new weights."""
-    kind, n, m, name = parse_form(form or getattr(copy, "rollout_form", "same"))
-    if name != getattr(copy, "rollout_form", "same"):
-        raise ValueError(f"refresh_rollout_copy: form {name!r} but the copy was made as "
-                         f"{getattr(copy, 'rollout_form', 'same')!r}")
-    if kind == "same":
-        return copy  # the copy is the policy: nothing to do
-    src = _state(getattr(source, "module", source))
-    fp8 = {k: v for k, v in copy.named_modules() if isinstance(v, FP8Linear)}
-    dst = {k: v for k, v in copy.state_dict().items()
-           if not (k.rpartition(".")[0] in fp8 and k.rpartition(".")[2] in ("weight", "weight_scale"))}
-    missing = sorted(({f"{k}.weight" for k in fp8} | set(dst)) - set(src))
-    if missing:
-        raise KeyError(f"refresh_rollout_copy: the source lacks {missing[:5]} ({len(missing)} tensors)")
-    for k, mod in fp8.items():
-        mod.requantize(src[f"{k}.weight"])
-    for k, v in dst.items():
-        v.copy_(src[k])  # casts to the copy's dtype
-    if kind == "nm":
-        apply_nm(copy, n, m, skip=COPY_SKIP)
-    return copy
-
-
-def describe_copy(copy):
-    """One short line for the log: the form, the bytes its weights take, and that against fp32."""
-    name = getattr(copy, "rollout_form", "same")
-    tensors = dict(copy.named_parameters(), **dict(copy.named_buffers()))  # tied weights counted once
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    fp32 = sum(t.numel() * 4 for k, t in tensors.items() if not k.endswith("weight_scale"))
-    line = f"{name}: {nbytes / 2**20:.2f} MiB of weights, {nbytes / max(fp32, 1):.2f}x fp32"
-    fp8 = [m for m in copy.modules() if isinstance(m, FP8Linear)]
-    if fp8:
-        w = fp8[0].weight
-        path = "torch._scaled_mm" if w.is_cuda and _fp8_gpu(w.device) else "simulated"
-        line += f"; {len(fp8)} Linear in fp8 W8A8 ({path})"
-    if name.startswith("nm"):
-        _, n, m, _ = parse_form(name)
-        pruned = [k for k, v in copy.named_modules() if isinstance(v, nn.Linear)
-                  and not any(s in f"{k}.weight" for s in COPY_SKIP)]
-        line += f"; {len(pruned)} Linear masked {n}:{m} (zeros stored, dense compute)"
-    return line
-
 
 # ----------------------------------------------------------------------------- demo: a simulated RL step
 

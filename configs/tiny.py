@@ -1,7 +1,7 @@
 # python train.py            (this file is the default: it applies whenever no config file is given)
 # The embedded default: a 0.8M-parameter Qwen3-shaped model on the synthetic task, on the CPU, with no network.
 out_dir = "out/tiny"
-# data: running sums mod 10 over 2 to 8 variables, summed in the order they are defined (prompts.make_synthetic)
+# data: running sums mod 10 over 2 to 8 variables, summed in the order they are defined (tasks.make_synthetic)
 task = "synthetic"
 difficulty = (2, 8)
 order = "defined"
@@ -13,7 +13,7 @@ n_embd = 128
 n_head = 4
 n_kv_head = 2
 ffn = 384
-# warm start: SFT on teacher traces; 60% of them end on the last value instead of the sum (train.teacher_trace),
+# warm start: SFT on teacher traces; 60% of them end on the last value instead of the sum (warmstart.teacher_trace),
 # so the warm start usually answers with the wrong convention and RL has to find the right one from rewards
 sft_steps = 600
 sft_batch = 16

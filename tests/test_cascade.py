@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import reward  # noqa: E402
-from prompts import Problem, problems_from_mbpp_rows  # noqa: E402
+from tasks import Problem, problems_from_mbpp_rows  # noqa: E402
 from reward import STAGES, Cascade, RewardResult, combine  # noqa: E402
 
 MBPP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "mbpp_small.jsonl")

@@ -1,4 +1,4 @@
-"""The rollout copy (sync.py) and N:M masks (sparsity.py): masks keep the n largest of every m inputs, fp8 weights
+"""The rollout copy (copies.py) and N:M masks (sparsity.py): masks keep the n largest of every m inputs, fp8 weights
 stay within e4m3's rounding, both FP8Linear paths compute the same thing, refresh tracks the policy in place, and
 each form's log-prob mismatch against the policy is finite and ordered (same < bf16 < fp8 < 2:4)."""
 import pytest
@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from model import ModelConfig, Transformer
 from rollout import Engine
 from sparsity import apply_nm, nm_mask
-from sync import (FP8_MAX, FP8Linear, Receiver, Sender, describe_copy, make_rollout_copy, parse_form,
-                  quantize_fp8, refresh_rollout_copy)
+from copies import (FP8_MAX, FP8Linear, describe_copy, make_rollout_copy, parse_form, quantize_fp8,
+                    refresh_rollout_copy)
+from sync import Receiver, Sender
 from test_rollout import PROMPTS, CharTok
 
 

@@ -18,7 +18,7 @@ def model4(seed=0):
 
 
 def batch(ro):
-    from train import build_batch
+    from update import build_batch
     p_ids = [PROMPTS[int(i)] for i in ro.prompt_index]
     ids, tmask = build_batch(p_ids, list(ro.tokens), list(ro.mask), 0)
     return ids, tmask, torch.tensor([len(p) for p in p_ids])
@@ -77,7 +77,7 @@ def test_distillation_raises_alpha_at_a_fixed_budget():
     """On a fixed batch of sparse rollouts: the adapter's steps lower KL(dense || sparse) and raise the tail of
     the exact per-position alpha (sum_v min(p_dense, p_sparse), from the replay's full distributions)."""
     from sparsity import alpha_exact
-    from train import token_logprobs
+    from update import token_logprobs
     m = model4(seed=1)
     ds = DistillSparse(m, r=4, lr=3e-3, page_size=4, dense_layers=1)
     ro = sparse_rollouts(ds.model, seed=0, G=8)

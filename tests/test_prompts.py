@@ -8,8 +8,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from prompts import (  # noqa: E402
-    CODE_INSTRUCTION, GSM8K_INSTRUCTION, MATH_INSTRUCTION, Problem, PromptSampler, build_char_tokenizer,
+from prompts import PromptSampler  # noqa: E402
+from tasks import (  # noqa: E402
+    CODE_INSTRUCTION, GSM8K_INSTRUCTION, MATH_INSTRUCTION, Problem, build_char_tokenizer,
     format_prompt, load_gsm8k, load_math, load_mbpp, make_synthetic, problems_from_gsm8k_rows,
     problems_from_math_rows, problems_from_mbpp_rows, synthetic_trace,
 )

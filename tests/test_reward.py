@@ -5,10 +5,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prompts import Problem, make_synthetic  # noqa: E402
-from reward import (  # noqa: E402
-    cheap_verdict, extract_answer, extract_boxed, extract_hash_answer, extract_synthetic, last_number,
-    normalize_answer, score, score_one,
+from reward import cheap_verdict, normalize_answer, score, score_one  # noqa: E402
+from tasks import (  # noqa: E402
+    Problem, extract_answer, extract_boxed, extract_hash_answer, extract_synthetic, last_number, make_synthetic,
 )
 
 

@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prompts import GrowthZoneSampler, PassRates, Problem, PromptSampler, group_has_signal  # noqa: E402
+from prompts import GrowthZoneSampler, PassRates, PromptSampler, group_has_signal  # noqa: E402
+from tasks import Problem  # noqa: E402
 
 G = 8  # completions per prompt
 

@@ -8,8 +8,9 @@ import torch
 
 from model import ModelConfig, Transformer
 from rollout import Engine
-from sparsity import (Controller, Schedule, calibrate, calibrate_engine, dense_budget, fixed_budget, model_shape,
-                      rollout_cost, table_budget)
+from bench.cost import model_shape, rollout_cost
+from calibrate import Controller, Schedule, calibrate, calibrate_engine
+from sparsity import dense_budget, fixed_budget, table_budget
 
 
 def test_schedule_is_a_table_budget_with_state():
@@ -177,8 +178,8 @@ def test_cost_dense_schedule_equals_dense_and_speedup_grows_with_length():
 
 def test_schedule_file_round_trip_and_page_size_check(tmp_path):
     import calibrate
+    from calibrate import Schedule
     from config import Config
-    from sparsity import Schedule
     cfg = Config(page_size=8)
     calibrate.save_schedule(Schedule([3, 4, 6], 8, threshold=0.9), str(tmp_path / "s.json"), cfg)
     s = calibrate.load_schedule(str(tmp_path / "s.json"), page_size=8)

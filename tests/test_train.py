@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
+import config
 import train
+import update
 from model import ModelConfig, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_config_overrides_and_types(tmp_path):
     f = tmp_path / "c.py"
     f.write_text("# a comment\nsteps = 7\nlr = 1  # an int where a float is wanted is fine\ndifficulty = [3, 4]\n")
-    cfg = train.parse_config([str(f), "--group_size=4", "--plot=false", "--stop=###"])
+    cfg = config.parse_config([str(f), "--group_size=4", "--plot=false", "--stop=###"])
     assert (cfg.steps, cfg.lr, cfg.difficulty, cfg.group_size, cfg.plot, cfg.stop) == (7, 1.0, (3, 4), 4, False, "###")
 
 
@@ -33,14 +35,14 @@ def test_config_overrides_and_types(tmp_path):
 ])
 def test_config_errors_name_the_key(argv, msg):
     with pytest.raises(ValueError, match=msg):
-        train.parse_config(argv)
+        config.parse_config(argv)
 
 
 def test_config_file_unknown_key(tmp_path):
     f = tmp_path / "c.py"
     f.write_text("learning_rate = 3e-4\n")
     with pytest.raises(ValueError, match="unknown config key 'learning_rate'"):
-        train.parse_config([str(f)])
+        config.parse_config([str(f)])
 
 
 def test_cli_reports_config_error_without_traceback():
@@ -52,10 +54,10 @@ def test_cli_reports_config_error_without_traceback():
 
 
 def test_group_advantages_by_hand():
-    adv, keep = train.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]), 4)
+    adv, keep = update.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]), 4)
     assert torch.allclose(adv[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)  # mean .5, std .5
     assert torch.equal(adv[4:], torch.zeros(4)) and keep.tolist() == [True, False]  # all equal: no signal
-    adv, keep = train.group_advantages(torch.tensor([0.2, 0.2, 0.8]), 3)  # non-binary rewards
+    adv, keep = update.group_advantages(torch.tensor([0.2, 0.2, 0.8]), 3)  # non-binary rewards
     assert keep.tolist() == [True] and torch.allclose(adv, torch.tensor([-0.7071, -0.7071, 1.4142]), atol=1e-4)
 
 
@@ -66,13 +68,13 @@ def test_pg_loss_by_hand_with_clip_boundaries_and_padding():
     logp = torch.log(torch.tensor([[1.0, 1.5, 0.5], [0.5, 1.2, 9.0]]))
     mask = torch.tensor([[True, True, True], [True, True, False]])
     adv = torch.tensor([1.0, -1.0])
-    loss, s = train.pg_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    loss, s = update.pg_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
     want = -(1.0 + 1.28 + 0.5) - (-0.8 - 1.2)  # min(r A, clip(r) A) per token, summed, negated
     assert loss.item() == pytest.approx(want, abs=1e-5)
     assert s["clipped"] == 2  # token (0,1) above 1 + clip_high with A > 0, token (1,0) below 1 - clip_low with A < 0
     # gradient flows only where the objective is not clipped
     logp.requires_grad_(True)
-    train.pg_loss(logp, old, adv, mask, 0.2, 0.28)[0].backward()
+    update.pg_loss(logp, old, adv, mask, 0.2, 0.28)[0].backward()
     g = logp.grad
     assert g[0, 1] == 0 and g[1, 0] == 0 and g[1, 2] == 0 and g[0, 0] == pytest.approx(-1.0)
 
@@ -81,24 +83,24 @@ def test_is_weights_tis_and_mis_by_hand():
     roll = torch.zeros(1, 5)
     old = torch.log(torch.tensor([[0.25, 0.8, 1.0, 1.5, 3.0]]))  # p_train / p_rollout
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # the last token is padding
-    w, s = train.is_weights(old, roll, mask, "tis", cap=1.2)
+    w, s = update.is_weights(old, roll, mask, "tis", cap=1.2)
     assert torch.allclose(w, torch.tensor([[0.25, 0.8, 1.0, 1.2, 0.0]]), atol=1e-6) and s["is_cut"] == 1
-    w, s = train.is_weights(old, roll, mask, "mis", lo=0.5, hi=1.2)
+    w, s = update.is_weights(old, roll, mask, "mis", lo=0.5, hi=1.2)
     assert torch.allclose(w, torch.tensor([[0.0, 0.8, 1.0, 0.0, 0.0]]), atol=1e-6) and s["is_cut"] == 2
-    w, s = train.is_weights(old, roll, mask, "none")
+    w, s = update.is_weights(old, roll, mask, "none")
     assert torch.equal(w, mask) and s["is_cut"] == 0
     assert s["alpha_mean"] == pytest.approx((0.25 + 0.8 + 1 + 1) / 4, abs=1e-6)  # min(1, ratio) over real tokens
     with pytest.raises(ValueError, match="is_correction"):
-        train.is_weights(old, roll, mask, "bogus")
+        update.is_weights(old, roll, mask, "bogus")
     # the weight multiplies the policy term: a token with weight 0 gets no gradient
     lp = torch.zeros(1, 5, requires_grad=True)
-    train.pg_loss(lp, torch.zeros(1, 5), torch.ones(1), mask.bool(), 0.2, 0.2, is_w=w * 0 + torch.tensor([[0, 1, 1, 1, 1.0]]))[0].backward()
+    update.pg_loss(lp, torch.zeros(1, 5), torch.ones(1), mask.bool(), 0.2, 0.2, is_w=w * 0 + torch.tensor([[0, 1, 1, 1, 1.0]]))[0].backward()
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] == -1
 
 
 def test_pg_loss_kl_term():
     lp, ref = torch.zeros(1, 2), torch.log(torch.tensor([[0.5, 2.0]]))
-    loss, _ = train.pg_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.2, ref, kl_coef=0.5)
+    loss, _ = update.pg_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.2, ref, kl_coef=0.5)
     d = ref[0]
     assert loss.item() == pytest.approx(0.5 * (torch.exp(d) - d - 1).sum().item(), abs=1e-6)
 
@@ -114,11 +116,11 @@ def test_token_logprobs_alignment_and_packing():
     prompts = [[3, 4, 5], [6]]
     comps = [torch.tensor([7, 8, 0]), torch.tensor([9, 10, 11])]
     masks = [torch.tensor([True, True, False]), torch.tensor([True, True, True])]
-    ids, tmask = train.build_batch(prompts, comps, masks, pad_id=0)
+    ids, tmask = update.build_batch(prompts, comps, masks, pad_id=0)
     assert ids.tolist() == [[3, 4, 5, 7, 8], [6, 9, 10, 11, 0]]
     with torch.no_grad():
-        lp = train.token_logprobs(m, ids, tmask)
-        lp_packed = train.token_logprobs(m, ids, tmask, packed=True)
+        lp = update.token_logprobs(m, ids, tmask)
+        lp_packed = update.token_logprobs(m, ids, tmask, packed=True)
         for i, (p, c, k) in enumerate(zip(prompts, comps, masks)):  # the slow way: one row at a time
             seq = torch.tensor([p + c[k].tolist()])
             full = m(seq)[0].log_softmax(-1)
@@ -129,16 +131,16 @@ def test_token_logprobs_alignment_and_packing():
 
 def test_nonfinite_loss_skips_the_step_and_keeps_weights():
     m = tiny()
-    cfg = train.Config(micro_batch=4)
+    cfg = config.Config(micro_batch=4)
     opt = torch.optim.AdamW(m.parameters(), lr=0.1)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     ids = torch.randint(1, 20, (2, 6))
     tmask = torch.zeros(2, 6, dtype=torch.bool)
     tmask[:, 2:5] = True
-    stats = train.train_on(cfg, m, opt, ids, tmask, torch.tensor([float("nan"), 1.0]), world=1)["stats"]
+    stats = update.train_on(cfg, m, opt, ids, tmask, torch.tensor([float("nan"), 1.0]), world=1)["stats"]
     assert stats[3].item() == 1  # one step skipped
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
-    stats = train.train_on(cfg, m, opt, ids, tmask, torch.tensor([-1.0, 1.0]), world=1)["stats"]
+    stats = update.train_on(cfg, m, opt, ids, tmask, torch.tensor([-1.0, 1.0]), world=1)["stats"]
     assert stats[3].item() == 0 and any(not torch.equal(before[k], v) for k, v in m.state_dict().items())
 
 

@@ -1,0 +1,262 @@
+"""
+update.py: stage 4, the update. Group advantages, importance weights for the rollout/trainer mismatch, the
+clipped policy-gradient loss, the log-probs it needs, and the optimizer passes over one batch.
+
+    ids, tmask, adv, roll = batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev)
+    out = train_on(cfg, model, opt, ids, tmask, adv, world=1, rollout_logp=roll)   # out["stats"], alpha, is_cut
+    python -m pytest -q tests/test_train.py -k "advantage or loss or weights or logprobs or nonfinite"
+
+The loss, per sampled token t of completion i in group g:
+    A_i      = (r_i - mean_g r) / (std_g r + eps)                    group-normalised advantage
+    ratio_t  = exp(logp_t - logp_old_t)
+    loss_t   = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i)   clip-higher (DAPO)
+               times w_t = min(p_old / p_rollout, is_cap) (TIS, the default; or MIS, or none)
+             + kl_coef * KL_t(policy || reference)                    optional, off by default (k3 estimator)
+    loss     = sum_t loss_t / (number of sampled tokens in the batch)        token-level aggregation
+
+Simplifications:
+    1. logp_old is the trainer's own log-prob before the first optimizer pass, so ratio = 1 at the first
+       minibatch of the first pass; the rollout engine's log-probs drive the IS weights and alpha.
+    2. A NaN or inf gradient skips the optimizer step on every rank; the step is counted as skipped.
+    3. Data parallelism sums gradients with one all-reduce per optimizer step instead of wrapping the model in
+       DDP: with dynamic sampling, ranks keep different numbers of groups, and DDP's hooks would hang on
+       ranks that run fewer backward passes.
+    4. The learning rate warms up linearly, then follows a cosine down to min_lr_ratio * lr.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from model import flash_attn_varlen_func
+from sparsity import alpha_sample
+
+
+# ----------------------------------------------------------------------------- advantages, weights, loss
+
+
+def group_advantages(rewards, G, eps=1e-6):
+    """rewards (N,) with N = B * G, groups contiguous -> advantages (N,), keep (B,) groups with any spread."""
+    r = rewards.view(-1, G)
+    std = r.std(-1, unbiased=False, keepdim=True)
+    adv = (r - r.mean(-1, keepdim=True)) / (std + eps)
+    keep = std[:, 0] > 0
+    return adv.view(-1), keep
+
+
+def is_weights(old_logp, rollout_logp, mask, mode, cap=2.0, lo=0.5, hi=2.0):
+    """Importance weights for the rollout/trainer mismatch (a sparse, low-precision or stale rollout policy):
+    ratio = p_train / p_rollout per sampled token. "tis": min(ratio, cap) (truncated IS, as in TIS/FlashRL);
+    "mis": ratio where lo <= ratio <= hi, else 0 (the token is dropped); "none": 1. Returns weights (N, T),
+    detached, and stats: the fraction truncated or masked, and the per-sample acceptance rate
+    alpha = min(1, ratio) (mean and 5th percentile), the mismatch statistic of Sparrow."""
+    ratio = torch.exp((old_logp - rollout_logp).clamp(max=20.0)) * mask
+    m = mask.bool()
+    alpha = alpha_sample(old_logp, rollout_logp)[m]
+    stats = {"alpha_mean": alpha.mean().item() if m.any() else 1.0,
+             "alpha_p5": alpha.quantile(0.05).item() if m.any() else 1.0}
+    if mode == "tis":
+        w = ratio.clamp(max=cap)
+        stats["is_cut"] = ((ratio > cap) & m).sum().item()
+    elif mode == "mis":
+        keep = (ratio >= lo) & (ratio <= hi)
+        w = torch.where(keep, ratio, 0.0)
+        stats["is_cut"] = (~keep & m).sum().item()
+    elif mode == "none":
+        w, stats["is_cut"] = torch.ones_like(ratio), 0
+    else:
+        raise ValueError(f"config key 'is_correction' must be none, tis or mis, got {mode!r}")
+    return (w * mask).detach(), stats
+
+
+def pg_loss(logp, old_logp, adv, mask, clip_low, clip_high, ref_logp=None, kl_coef=0.0, is_w=None):
+    """Per-token clipped surrogate. logp, old_logp, mask (N, T); adv (N,). Returns summed loss, stats.
+    `is_w` (N, T) multiplies the policy term (IS correction). The caller divides by the number of sampled
+    tokens (token-level aggregation)."""
+    ratio = torch.exp(logp - old_logp)
+    a = adv[:, None]
+    surr = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
+    loss = -surr if is_w is None else -surr * is_w
+    if kl_coef > 0:
+        d = ref_logp - logp  # k3 estimator of KL(policy || ref): e^d - d - 1 >= 0
+        loss = loss + kl_coef * (torch.exp(d) - d - 1)
+    m = mask.float()
+    clipped = ((ratio < 1 - clip_low) & (a < 0)) | ((ratio > 1 + clip_high) & (a > 0))
+    return (loss * m).sum(), {"clipped": (clipped.float() * m).sum().item()}
+
+
+def build_batch(prompts, completions, masks, pad_id):
+    """Right-padded (B, T) ids of prompt + completion, and a target mask for completion positions.
+    Position t of `tmask` marks that token t+1 is a sampled token, so logits[:, t] scores it."""
+    seqs = [list(p) + c[m].tolist() for p, c, m in zip(prompts, completions, masks)]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    tmask = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for i, (s, p) in enumerate(zip(seqs, prompts)):
+        ids[i, :len(s)] = torch.tensor(s)
+        tmask[i, len(p) - 1:len(s) - 1] = True
+    return ids, tmask
+
+
+def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False):
+    """Log-prob of every target token: returns (B, T) with values where tmask is set (0 elsewhere).
+    `packed` concatenates the rows without padding and attends within each (flash-attn varlen on CUDA).
+    `full` also returns the whole log-softmax at the target positions, (M, V) in the order of ids[tmask]."""
+    B, T = ids.shape
+    targets = torch.roll(ids, -1, 1)
+    if packed:
+        lens = (tmask.flip(1).cumsum(1).flip(1) > 0).sum(1) + 1  # row length = last target position + 2
+        flat = torch.cat([ids[i, :lens[i]] for i in range(B)])[None]
+        pos = torch.cat([torch.arange(int(n), device=ids.device) for n in lens])[None]
+        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        h = model(flat, pos=pos, cu_seqlens=cu, max_seqlen=int(lens.max()), hidden=True)[0]
+        sel = torch.cat([tmask[i, :lens[i]] for i in range(B)])
+        h_sel, tgt = h[sel], torch.cat([targets[i, :lens[i]] for i in range(B)])[sel]
+    else:
+        h = model(ids, hidden=True)  # (B, T, C)
+        h_sel, tgt = h[tmask], targets[tmask]
+    logits = model.lm_head(h_sel).float() / temperature  # only the scored positions are projected onto the vocabulary
+    lsm = logits.log_softmax(-1)
+    lp = lsm.gather(-1, tgt[:, None])[:, 0]
+    out = torch.zeros(B, T, device=ids.device, dtype=lp.dtype)
+    out[tmask] = lp
+    return (out, lsm) if full else out
+
+
+def batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev):
+    """Kept groups [(prompt index, tokens (G, T), mask (G, T), rewards (G,), rollout log-probs (G, T), ...)] ->
+    ids, tmask (N, T'), advantages (N,), and the rollout policy's log-probs at the trainer's target positions
+    (N, T'), on `dev`. No groups: empty tensors, so that this rank still joins every collective of the update."""
+    if not kept:
+        return (torch.zeros(0, 1, dtype=torch.long, device=dev), torch.zeros(0, 1, dtype=torch.bool, device=dev),
+                torch.zeros(0, device=dev), torch.zeros(0, 1, device=dev))
+    p_ids = [pool_ids[i] for i, *_ in kept for _ in range(G)]
+    ids, tmask = build_batch(p_ids, [row for k in kept for row in k[1]], [row for k in kept for row in k[2]],
+                             pad_id)  # groups from different refill tries have different lengths
+    adv = torch.cat([group_advantages(k[3], G, adv_eps)[0] for k in kept])
+    roll = torch.zeros(tmask.shape)
+    roll[tmask] = torch.cat([lp[m] for k in kept for lp, m in zip(k[4], k[2])])
+    return ids.to(dev), tmask.to(dev), adv.to(dev), roll.to(dev)
+
+
+def lr_at(cfg, step):
+    """Linear warmup, then cosine down to min_lr_ratio * lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def allreduce_grads(model, world, group=None):
+    """Sum gradients over ranks (data parallelism by hand). DDP's hooks would need every rank to run the same
+    number of backward passes; with dynamic sampling the ranks keep different numbers of groups, so instead
+    every rank runs its own micro-batches and joins exactly one all-reduce per optimizer step."""
+    if world == 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter only
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    for p, g in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = g.view_as(p)
+
+
+# ----------------------------------------------------------------------------- the optimizer passes
+
+
+def micro_batches(rows, size, fsdp, device):
+    """Row indices split into micro-batches. Under FSDP every rank must run as many forwards as the others (each
+    one all-gathers weights), so the short ranks get empty micro-batches."""
+    parts = list(rows.split(size)) if len(rows) else []
+    if fsdp:
+        n = torch.tensor([len(parts)], device=device)
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+        parts += [rows[:0]] * (int(n) - len(parts))
+    return parts
+
+
+@torch.no_grad()
+def reference_logprobs(cfg, model, ids, tmask, packed, full=False):
+    """The no-grad log-probs of a whole batch, micro-batch by micro-batch: logp_old from the policy before its
+    first update, or the reference policy's. `full` also returns the whole log-softmax at the target positions
+    (DistillSparse trains toward it)."""
+    parts = [token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed, full)
+             for r in torch.arange(ids.shape[0]).split(cfg.micro_batch)]
+    if not full:
+        return torch.cat(parts) if parts else torch.zeros(0, ids.shape[1], device=ids.device)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def optimizer_step(cfg, model, opt, world, group):
+    """Sum the gradients over ranks, clip, and step; a NaN or inf norm on any rank skips the step on all of them.
+    Returns the gradient norm, or None when the step was skipped."""
+    if not cfg.fsdp:  # FSDP reduce-scatters the gradients itself
+        allreduce_grads(model, world, group)
+    gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+    gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # a DTensor under FSDP
+    bad = torch.tensor([0.0 if torch.isfinite(gn) else 1.0], device=gn.device)
+    if world > 1:
+        torch.distributed.all_reduce(bad, group=group)
+    if bad.item() > 0:  # CPU-GPU sync point. NaN/inf anywhere: weights untouched on every rank
+        opt.zero_grad(set_to_none=True)
+        return None
+    opt.step()
+    return gn
+
+
+def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=None, ref_model=None,
+             dense_dist=False, alpha_bins=False):
+    """`passes` x `minibatches` optimizer steps over one batch of kept rollouts (the same count on every rank,
+    whatever its share of the batch). Token-level loss over the global minibatch. `rollout_logp` (N, T), the
+    rollout policy's log-probs at the target positions, drives the IS correction and the mismatch statistics.
+    `group` is the trainers' process group (None: every rank); `ref_model` the frozen reference (kl_coef > 0).
+    Returns {"stats": loss sum, tokens, clipped, skipped, grad norm (summed); this rank's mismatch figures;
+    "_dense_full": the dense log-softmax at the targets when `dense_dist`; "_alpha": (alpha, cached pages) per
+    token when `alpha_bins`}."""
+    stats = torch.zeros(5, device=ids.device, dtype=torch.float64)
+    ntok = tmask.sum().double()
+    if world > 1:
+        torch.distributed.all_reduce(ntok, group=group)
+    if ntok.item() == 0:  # no rank kept a group: nothing to update (decided globally)
+        return {"stats": stats}
+    packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda and flash_attn_varlen_func is not None)
+    N = ids.shape[0]
+    chunks = lambda rows: micro_batches(rows, cfg.micro_batch, cfg.fsdp, ids.device)
+    if dense_dist:  # DistillSparse also takes the whole dense distribution at these positions
+        old, dense_full = reference_logprobs(cfg, model, ids, tmask, packed, full=True)
+    else:  # logp_old: the policy before this batch's first update (every rank runs as many forwards)
+        with torch.no_grad():
+            parts = chunks(torch.arange(N))
+            old = torch.cat([token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed) for r in parts]) \
+                if parts else torch.zeros(0, ids.shape[1], device=ids.device)
+    ref = reference_logprobs(cfg, ref_model, ids, tmask, packed) if cfg.kl_coef > 0 else None
+    mode = cfg.is_correction if rollout_logp is not None else "none"
+    is_w, mis = is_weights(old, old if rollout_logp is None else rollout_logp, tmask.float(), mode,
+                           cfg.is_cap, cfg.mis_low, cfg.mis_high)
+    mb_tokens = (ntok / cfg.minibatches).clamp(min=1)  # token-level mean over the (global) minibatch
+    for _ in range(cfg.passes):
+        for k in range(cfg.minibatches):
+            opt.zero_grad(set_to_none=True)
+            for micro in chunks(torch.arange(k, N, cfg.minibatches)):  # may be none, or empty, on this rank
+                lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed)
+                loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low, cfg.clip_high,
+                                  None if ref is None else ref[micro], cfg.kl_coef, is_w[micro])
+                (loss * (world if cfg.fsdp else 1) / mb_tokens).backward()  # FSDP averages over ranks: undo it
+                stats[0] += loss.item()
+                stats[2] += s["clipped"]
+            gn = optimizer_step(cfg, model, opt, world, group)
+            if gn is None:
+                stats[3] += 1
+            else:
+                stats[4] += gn.item()
+    stats[1] = tmask.sum() * cfg.passes
+    out = {"stats": stats, "alpha_mean": mis["alpha_mean"], "alpha_p5": mis["alpha_p5"],
+           "is_cut": mis["is_cut"] / max(1, int(tmask.sum()))}
+    if dense_dist:
+        out["_dense_full"] = dense_full
+    if rollout_logp is not None and alpha_bins:  # the tail statistic per bin of cached pages
+        a = alpha_sample(old, rollout_logp)  # position t scores token t + 1: t + 1 tokens are cached
+        pages = (torch.arange(ids.shape[1], device=ids.device) + cfg.page_size) // cfg.page_size
+        out["_alpha"] = (a[tmask].cpu(), pages.expand_as(tmask)[tmask].cpu())
+    return out
