@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -84,8 +85,13 @@ class Config:
     math_verify: bool = True  # symbolic equivalence (math, gsm8k, synthetic) for answers no cheap rule settles
     max_chars: int = 0  # cheap check: longer completions score 0 (0 = no limit)
     judge: str = ""  # optional "module:function" taking (prompt, completion, reference) -> float
+    judge_timeout_s: float = 30.0  # a judge call past this scores 0 and is counted as a timeout
+    overlong_buffer: int = 0  # > 0: DAPO's soft overlong punishment over the last this many tokens of the limit
+    overlong_penalty: float = 1.0  # the punishment at max_new_tokens (linear from 0 at the buffer's start)
+    overlong_filter: bool = False  # DAPO's overlong filtering: completions cut at max_new_tokens leave the loss
     # stage 4: the update
     steps: int = 200
+    stop_at: int = 0  # > 0: stop after this many steps, on the learning-rate schedule of `steps` (a short probe)
     lr: float = 1e-6
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -97,6 +103,9 @@ class Config:
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
+    kl_loss: str = "k2"  # k2 | k3 (update.pg_loss): k2's gradient is KL(policy || ref)'s, k3's KL(ref || policy)'s
+    adv_norm: str = "std"  # std | none: divide the group advantage by the group's std (GRPO), or not (Dr. GRPO)
+    max_skipped: int = 3  # stop the run after this many optimizer steps in a row skipped for NaN/inf
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer instead of all weights
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
@@ -170,4 +179,101 @@ def parse_config(argv):
             near = difflib.get_close_matches(k, defaults, n=1)
             raise ValueError(f"unknown config key '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
         setattr(cfg, k, _typecheck(k, v, defaults[k]))
+    check(cfg)
     return cfg
+
+
+# ----------------------------------------------------------------------------- value checks, at parse time
+
+CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"), "autocast": ("none", "bfloat16"),
+           "task": ("synthetic", "gsm8k", "math", "code"), "order": ("defined", "shuffled"),
+           "kv_scorer": ("centroid", "quest", "oracle"), "sampler": ("growth", "uniform"),
+           "is_correction": ("none", "tis", "mis"), "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"),
+           "adv_norm": ("std", "none"), "max_staleness": (0, 1)}
+POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
+            "prompts_per_step", "max_new_tokens", "page_size", "kv_bin_pages", "calib_prompts",
+            "distill_lr", "judge_timeout_s", "grad_clip", "passes", "minibatches", "micro_batch", "lora_alpha",
+            "is_cap", "adv_eps", "eval_every", "save_every", "max_skipped")
+NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_compare_every", "distill_r", "distill_coef",
+                "refill_tries", "min_spread", "max_chars", "overlong_buffer", "overlong_penalty", "steps",
+                "warmup_steps", "weight_decay", "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise")
+UNIT = ("sft_noise", "top_p", "kv_target", "explore", "min_lr_ratio", "lora_dropout", "clip_low")  # within [0, 1]
+
+
+def check(cfg):
+    """Every value that can be checked before the run starts, each error naming its key: a typo costs a second,
+    not a warm start."""
+    bad = lambda k, want: ValueError(f"config key '{k}' must be {want}, got {getattr(cfg, k)!r}")
+    for k, options in CHOICES.items():
+        if getattr(cfg, k) not in options:
+            raise bad(k, " or ".join(map(str, options)))
+    for k in POSITIVE:
+        if not getattr(cfg, k) > 0:
+            raise bad(k, "> 0")
+    for k in NON_NEGATIVE:
+        if not getattr(cfg, k) >= 0:
+            raise bad(k, ">= 0")
+    for k in UNIT:
+        if not 0 <= getattr(cfg, k) <= 1:
+            raise bad(k, "within [0, 1]")
+    for k, lo_min in (("difficulty", 1), ("zone", 0)):
+        v = getattr(cfg, k)
+        if len(v) != 2 or not lo_min <= v[0] <= v[1] or (k == "zone" and not (v[0] < v[1] <= 1)):
+            raise bad(k, "a range (lo, hi) with " + ("1 <= lo <= hi" if k == "difficulty" else "0 <= lo < hi <= 1"))
+    if cfg.sft_difficulty and (len(cfg.sft_difficulty) != 2 or not 1 <= cfg.sft_difficulty[0] <= cfg.sft_difficulty[1]):
+        raise bad("sft_difficulty", "empty or a range (lo, hi) with 1 <= lo <= hi")
+    if cfg.n_embd % cfg.n_head or cfg.n_head % cfg.n_kv_head:
+        raise bad("n_head", f"a divisor of n_embd ({cfg.n_embd}) and a multiple of n_kv_head ({cfg.n_kv_head})")
+    if not cfg.temperature > 0:
+        raise bad("temperature", "> 0: training rollouts sample (greedy decoding is for held-out evaluation)")
+    if cfg.group_size < 2:
+        raise bad("group_size", ">= 2 (a group-relative advantage needs two completions per prompt)")
+    if cfg.lora_dropout >= 1 or cfg.clip_low >= 1 or cfg.mis_low >= cfg.mis_high:
+        raise ValueError("config keys: want lora_dropout < 1, clip_low < 1 and mis_low < mis_high")
+    if cfg.overlong_buffer >= cfg.max_new_tokens:
+        raise bad("overlong_buffer", f"smaller than max_new_tokens ({cfg.max_new_tokens})")
+    if not cfg.kv_candidates or min(cfg.kv_candidates) < 1:
+        raise bad("kv_candidates", "page counts >= 1")
+    if not re.fullmatch(r"same|bf16|fp8|nm|(nm)?\d+:\d+", cfg.rollout_copy) or (
+            ":" in cfg.rollout_copy and not 0 < int(cfg.rollout_copy.split(":")[0].lstrip("nm")) <= int(
+                cfg.rollout_copy.split(":")[1])):
+        raise bad("rollout_copy", "same, bf16, fp8 or nmN:M with 0 < N <= M")
+    check_kv_budget(cfg)
+    check_processes(cfg)
+
+
+def check_kv_budget(cfg):
+    kind, _, arg = cfg.kv_budget.partition(":")
+    ok = {"dense": lambda a: not a, "calibrate": lambda a: not a, "schedule": lambda a: bool(a),
+          "fraction": lambda a: 0 < float(a) <= 1, "fixed": lambda a: int(a) >= 1,
+          "table": lambda a: all(int(x) >= 1 for x in a.split(","))}
+    try:
+        good = kind in ok and ok[kind](arg)
+    except ValueError:
+        good = False
+    if not good:
+        raise ValueError(f"config key 'kv_budget' must be dense, fraction:F (0 < F <= 1), fixed:N, table:N1,N2,..., "
+                         f"schedule:PATH or calibrate, got {cfg.kv_budget!r}")
+    if cfg.kv_controller and kind not in ("table", "schedule", "calibrate"):
+        raise ValueError("config key 'kv_controller' needs a table budget (kv_budget=table:N1,N2,..., "
+                         "schedule:PATH or calibrate)")
+    if cfg.distill_r:
+        need = [why for why, miss in (("a sparse kv_budget", kind == "dense"), ("lora_r = 0", cfg.lora_r),
+                                      ("rollout_copy = same", cfg.rollout_copy != "same"),
+                                      ("one process", int(os.environ.get("WORLD_SIZE", 1)) > 1)) if miss]
+        if need:
+            raise ValueError(f"config key 'distill_r' needs {', '.join(need)}")
+
+
+def check_processes(cfg):
+    """FSDP and the disaggregated mode: what they need of torchrun, and what they do not support yet."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.fsdp and (cfg.lora_r or cfg.resume or cfg.rollout_ranks or world < 2):
+        raise ValueError("config key 'fsdp' needs torchrun with at least 2 processes, and does not combine with "
+                         "lora_r, resume or rollout_ranks yet")
+    if cfg.rollout_ranks and not cfg.rollout_ranks < world:
+        raise ValueError(f"config key 'rollout_ranks' must leave at least one trainer: {cfg.rollout_ranks} of "
+                         f"{world} ranks (run under torchrun with more processes)")
+    if cfg.rollout_ranks and (cfg.resume or cfg.lora_r or cfg.kv_controller):
+        raise ValueError("config key 'rollout_ranks': the disaggregated mode does not support resume, lora_r or "
+                         "kv_controller yet")

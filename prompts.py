@@ -62,8 +62,9 @@ class PromptSampler:
         random.Random(f"zeros-sampler:{self.seed}:{epoch}").shuffle(order)
         return order
 
-    def next_batch(self, n: int) -> list[tuple[int, Problem]]:
-        """The next n (index into problems, Problem) pairs."""
+    def next_batch(self, n: int, refill: bool = False) -> list[tuple[int, Problem]]:
+        """The next n (index into problems, Problem) pairs; `refill` changes nothing here (within an epoch no
+        prompt comes twice)."""
         out = []
         while len(out) < n:
             if self.pos >= len(self._order):
@@ -169,17 +170,18 @@ class GrowthZoneSampler:
         self.last_pick = np.full(len(self.problems), -1, dtype=np.int64)  # -1: never picked
         self._stats: dict = {}
 
-    def next_batch(self, n: int) -> list[tuple[int, Problem]]:
-        """The next n (index into problems, Problem) pairs."""
+    def next_batch(self, n: int, refill: bool = False) -> list[tuple[int, Problem]]:
+        """The next n (index into problems, Problem) pairs. A draw starts a new step; a `refill` draws more for
+        the same step, and never a prompt that the step already drew (unless the pool has run out)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"next_batch: n must be an int >= 1, got {n!r}")
         mean, seen = self.rates.mean(), self.rates.visits > 0  # before this batch, for stats()
+        self.step += not refill  # steps, not draws: the cooldown and the in-step exclusion count steps
         picks, explored = [], 0
         while len(picks) < n:  # a batch larger than the pool takes it in rounds
             batch, k_explore = self._pick(min(n - len(picks), len(self.problems)))
             picks += batch.tolist()
             explored += k_explore
-        self.step += 1
         self._stats.update(self._pool_stats(mean, seen), zone=float(np.mean(self._in_zone(mean[picks]) & seen[picks])),
                            unseen=float(np.mean(~seen[picks])), explored=explored / n)
         return [(i, self.problems[i]) for i in picks]

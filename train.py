@@ -108,11 +108,16 @@ def build(cfg, rank, world, dev, role, log):
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     replica = parallel.shard(cfg, model, dev) if cfg.fsdp else None
     full = replica or model  # full weights: what the engines read
-    budget = kv_budget(cfg, full, tok, train_ids, log, rank)
+    table = os.path.join(cfg.out_dir, "kv_schedule.json")
+    if cfg.resume and cfg.kv_budget == "calibrate" and os.path.exists(table):  # calibrated once, at the start
+        budget = kv_budget(dataclasses.replace(cfg, kv_budget=f"schedule:{table}"), log=log)
+    else:
+        budget = kv_budget(cfg, full, tok, train_ids, log, rank)
     distill = DistillSparse.for_run(cfg, full, budget, world) if cfg.distill_r else None
     rollout_model = distill.model if distill is not None else copies.rollout_model_for(cfg, full)
     log(f"rollout copy: {copies.describe_copy(rollout_model)}"
         + (f", plus a DistillSparse adapter of rank {cfg.distill_r}" if distill else ""))
+    model.eval()  # dropout only in the training forwards (update.train_on switches it on and off)
     stop = [cfg.stop] if cfg.stop else []
     kv = dict(page_size=cfg.page_size, scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
     engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop, sparse=budget,
@@ -180,26 +185,32 @@ def train(cfg, run, rank, log):
     if rank == 0:  # rewrite the log up to the resume point, so a resumed run does not repeat steps
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history["records"])
-    t_start = time.perf_counter()
-    for step in tqdm(range(start, cfg.steps), desc="rl", initial=start, total=cfg.steps, disable=rank != 0,
-                     dynamic_ncols=True):
+    t_start, end, skipped = time.perf_counter(), min(cfg.steps, cfg.stop_at or cfg.steps), 0
+    bar = rank == 0 and sys.stderr.isatty()  # a bar in a file is one endless line: only on a terminal
+    for step in tqdm(range(start, end), desc="rl", initial=start, total=end, disable=not bar, dynamic_ncols=True):
         for g in run.opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        last = step == cfg.steps - 1
+        last = step == end - 1
         with run.amp:
             rec = rl_step(cfg, step, run)
             if run.role.trains and ((step + 1) % cfg.eval_every == 0 or last):
                 rec["acc"] = evaluate(cfg, run)
         if not run.role.trains:  # a rollout rank: its figures are the trainers' to log
             continue
+        if rec["tokens"]:  # optimizer steps skipped in a row for NaN/inf, across steps: a diverged run stops
+            went_through = rec["skipped_nonfinite"] < cfg.passes * cfg.minibatches
+            skipped = 0 if went_through else skipped + rec["skipped_nonfinite"]
         history["records"].append(rec)
         log(fmt(rec))
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-            if (step + 1) % cfg.save_every == 0 or last:
-                save_checkpoint(cfg, run.replica or run.model, run.tok, run.opt, run.sampler, step + 1, history,
-                                extra)
+        if skipped >= cfg.max_skipped:  # before saving: the weights that diverged are not checkpointed
+            raise FloatingPointError(f"stopped at step {step}: the last {skipped} optimizer steps had a NaN or inf "
+                                     f"loss or gradient (max_skipped={cfg.max_skipped}); lower lr or check the "
+                                     f"rewards. The last checkpoint is in {cfg.out_dir}/ckpt")
+        if rank == 0 and ((step + 1) % cfg.save_every == 0 or last):
+            save_checkpoint(cfg, run.replica or run.model, run.tok, run.opt, run.sampler, step + 1, history, extra)
     history["checksums"] = parallel.check_ranks_agree(run.replica or run.model, run.world, log)
     if rank == 0:
         summarize(cfg, history, time.perf_counter() - t_start, log)
@@ -234,9 +245,9 @@ def collect(cfg, step, run):
     lens, finish_length, rewards_all, zone, zero_adv = [], 0, [], [], 0
     n_draw, drawn, signals = n_local, 0, 0  # prompts per rank this try; drawn and with-spread so far, all ranks
     for t in range(1 + (cfg.refill_tries if cfg.dynamic_sampling else 0)):
-        batch = run.sampler.next_batch(n_draw * n)[me * n_draw:(me + 1) * n_draw]  # stage 1
+        batch = run.sampler.next_batch(n_draw * n, refill=t > 0)[me * n_draw:(me + 1) * n_draw]  # stage 1
         zone.append(run.sampler.stats().get("zone", float("nan")))
-        t0, seed = time.perf_counter(), cfg.seed * 100_003 + (step * 8 + t) * n + me
+        t0, seed = time.perf_counter(), rollout_seed(cfg.seed, step, t, me)
         prompt_ids = [run.train_ids[i] for i, _ in batch]
         ro = run.engine.generate(prompt_ids, G, seed=seed)  # stage 2
         rec["gen_s"] += time.perf_counter() - t0
@@ -260,7 +271,8 @@ def collect(cfg, step, run):
                 zero_adv += not signal
                 rows = slice(g * G, (g + 1) * G)
                 kept.append((batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows],
-                             None if ro.read_pages is None else ro.read_pages[rows]))
+                             None if ro.read_pages is None else ro.read_pages[rows],
+                             torch.tensor([f == "length" for f in ro.finish[rows]])))
         rec["tries"] = t + 1
         n_kept = parallel.gather(len(kept), n, group)
         if min(n_kept) >= n_local:  # the decision to refill is global: every rank runs the same collectives
@@ -274,6 +286,11 @@ def collect(cfg, step, run):
                finish_length=finish_length / len(rew), zone=sum(zone) / len(zone), **combine(results).summary(),
                collect_s=time.perf_counter() - t_start)
     return kept, rec
+
+
+def rollout_seed(seed, step, try_, rank):
+    """A distinct generator seed for every (run seed, step, refill try, rank): a 63-bit hash of the four."""
+    return hash((seed, step, try_, rank)) & (2**63 - 1)  # ints hash the same in every process
 
 
 def compare_dense(cfg, run, ro, prompt_ids, seed):
@@ -291,8 +308,9 @@ def learn(cfg, run, kept):
     the schedule's per-bin tail, and the figures for the log. Every trainer calls it, kept groups or not."""
     n, group = run.role.n, run.role.group
     t0, rec = time.perf_counter(), {}
+    drop = torch.cat([k[6] for k in kept]) if kept and cfg.overlong_filter else None  # truncated rows
     ids, tmask, adv, roll = batch_from_groups(kept, run.train_ids, cfg.group_size, run.engine.pad_id, cfg.adv_eps,
-                                              run.model.lm_head.weight.device)
+                                              run.model.lm_head.weight.device, cfg.adv_norm, drop)
     out = train_on(cfg, run.model, run.opt, ids, tmask, adv, n, roll, group, run.ref_model,
                    dense_dist=run.distill is not None, alpha_bins=run.schedule is not None)
     stats = out.pop("stats")  # loss sum, tokens, clipped, skipped, grad norm
@@ -373,27 +391,25 @@ def evaluate(cfg, run):
 
 
 def fmt(rec):
-    """One log line per step, grouped by stage: what each stage kept or skipped, and what it spent."""
-    g = lambda k, f: f.format(rec[k]) if k in rec else ""
-    on = lambda k, f: g(k, f) if rec.get(k) else ""  # only when nonzero
-    parts = [f"step {rec['step']:4d}",
-             "signal " + g("zone", "zone {:.2f} ") + f"kept {rec['groups_kept']}/{rec['groups']} "
-             f"tries {rec['tries']}" + (" SHORT" if rec.get("short") else ""),
-             "rollout " + g("gen_s", "{:.2f}s ") + g("prefill_s", "(prefill {:.2f}s ")
-             + g("decode_s", "decode {:.2f}s) ") + g("len_mean", "len {:.1f} ") + g("kv_read", "kv {:.2f} ")
-             + g("kv_table", "table {} ") + g("rollout_speedup", "vs dense {:.2f}x"),
-             "reward " + g("reward", "{:.3f} ") + g("reach_verify", "verify {:.2f} ") + g("dedup_saved", "dedup {:.2f} ")
-             + on("errors", "errors {} ") + on("timeouts", "timeouts {}"),
-             "mismatch " + g("alpha_mean", "alpha {:.4f} ") + g("alpha_p5", "p5 {:.4f} ") + g("is_cut", "is-cut {:.3f} ")
-             + (f"p5/bin {[round(x, 2) for x in rec['alpha_bins']['p5']]} " if "alpha_bins" in rec else "")
-             + g("distill_kl", "distill-kl {:.4f}"),
-             "update " + g("loss", "loss {:+.4f} ") + g("clipfrac", "clip {:.3f} ") + g("grad_norm", "gn {:.2f} ")
-             + g("train_s", "{:.2f}s") + on("skipped_nonfinite", " NONFINITE-SKIPPED {}")]
-    if "sync_bytes" in rec:
-        parts.append(f"sync {rec['sync_bytes'] / 1e3:.1f} kB ({rec['sync_ratio']:.3f} of full)")
-    if "acc" in rec:
-        parts.append(g("acc", "held-out acc {:.3f}"))
-    return " | ".join(p.strip() for p in parts)
+    """The step's log lines, stage by stage, each within a terminal's width (the README explains every label;
+    metrics.jsonl has every figure): stages 1-3, then the mismatch and the update, then what only some runs
+    have."""
+    g = lambda k, f: f.format(rec[k]) if rec.get(k) is not None else ""
+    collect = (g("groups_kept", "kept {}") + g("groups", "/{}") + g("tries", " in {} tries")
+               + (" SHORT" if rec.get("short") else ""),
+               g("gen_s", "rollout {:.2f}s") + g("len_mean", " len {:.0f}") + g("kv_read", " kv {:.2f}"),
+               g("reward", "reward {:.3f}") + g("reach_verify", " verify {:.2f}"))
+    learn = (g("alpha_p5", "p5 alpha {:.3f}"), g("loss", "loss {:+.4f}") + g("grad_norm", " gn {:.2f}")
+             + g("train_s", " {:.1f}s"), g("acc", "acc {:.3f}"))
+    extra = (g("rollout_speedup", "rollout vs dense {:.2f}x"), g("kv_table", "kv table {}"),
+             f"p5 alpha per bin {[round(x, 2) for x in rec['alpha_bins']['p5']]}" if "alpha_bins" in rec else "",
+             g("distill_kl", "distill kl {:.4f}"), g("errors", "reward errors {}") if rec.get("errors") else "",
+             g("timeouts", "reward timeouts {}") if rec.get("timeouts") else "",
+             g("truncated", "truncated {}") if rec.get("truncated") else "",
+             g("skipped_nonfinite", "NONFINITE steps skipped {}") if rec.get("skipped_nonfinite") else "",
+             f"sync {rec['sync_bytes'] / 1e3:.1f} kB ({rec['sync_ratio']:.3f} of full)" if "sync_bytes" in rec else "")
+    lines = [" | ".join(p for p in part if p) for part in (collect, learn, extra)]
+    return f"step {rec['step']:4d}  " + "\n           ".join(line for line in lines if line)
 
 
 def summarize(cfg, history, seconds, log):
@@ -433,9 +449,15 @@ def plot(cfg, history):
     plt.close(fig)
 
 
-if __name__ == "__main__":
+def cli(argv):
+    """main, with the errors a user can fix (config, data, divergence) as one line and exit code 2."""
     try:
-        main(sys.argv[1:])
-    except (ValueError, FileNotFoundError) as e:  # config and data errors: one clear line, no traceback
+        main(argv)
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

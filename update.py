@@ -36,11 +36,17 @@ from sparsity import alpha_sample
 # ----------------------------------------------------------------------------- advantages, weights, loss
 
 
-def group_advantages(rewards, G, eps=1e-6):
-    """rewards (N,) with N = B * G, groups contiguous -> advantages (N,), keep (B,) groups with any spread."""
+def group_advantages(rewards, G, eps=1e-6, norm="std"):
+    """rewards (N,) with N = B * G, groups contiguous -> advantages (N,), keep (B,) groups with any spread.
+    norm "std" divides by the group's std (GRPO); "none" keeps the plain difference from the group mean
+    (Dr. GRPO: the std division weights nearly-solved and nearly-failed groups up)."""
     r = rewards.view(-1, G)
     std = r.std(-1, unbiased=False, keepdim=True)
-    adv = (r - r.mean(-1, keepdim=True)) / (std + eps)
+    adv = r - r.mean(-1, keepdim=True)
+    if norm == "std":
+        adv = adv / (std + eps)
+    elif norm != "none":
+        raise ValueError(f"config key 'adv_norm' must be std or none, got {norm!r}")
     keep = std[:, 0] > 0
     return adv.view(-1), keep
 
@@ -70,17 +76,26 @@ def is_weights(old_logp, rollout_logp, mask, mode, cap=2.0, lo=0.5, hi=2.0):
     return (w * mask).detach(), stats
 
 
-def pg_loss(logp, old_logp, adv, mask, clip_low, clip_high, ref_logp=None, kl_coef=0.0, is_w=None):
+def pg_loss(logp, old_logp, adv, mask, clip_low, clip_high, ref_logp=None, kl_coef=0.0, is_w=None, kl_loss="k2"):
     """Per-token clipped surrogate. logp, old_logp, mask (N, T); adv (N,). Returns summed loss, stats.
     `is_w` (N, T) multiplies the policy term (IS correction). The caller divides by the number of sampled
-    tokens (token-level aggregation)."""
+    tokens (token-level aggregation).
+    The KL term, on tokens sampled from the policy, with d = log ref - log policy:
+        k2 = d^2 / 2         its expected gradient is the gradient of KL(policy || ref), the usual penalty;
+        k3 = e^d - d - 1     an unbiased, low-variance estimate of KL(policy || ref)'s VALUE, but as a loss
+                             its expected gradient is that of KL(ref || policy), the reverse direction."""
     ratio = torch.exp(logp - old_logp)
     a = adv[:, None]
     surr = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
     loss = -surr if is_w is None else -surr * is_w
     if kl_coef > 0:
-        d = ref_logp - logp  # k3 estimator of KL(policy || ref): e^d - d - 1 >= 0
-        loss = loss + kl_coef * (torch.exp(d) - d - 1)
+        d = ref_logp - logp
+        if kl_loss == "k2":
+            loss = loss + kl_coef * 0.5 * d * d
+        elif kl_loss == "k3":
+            loss = loss + kl_coef * (torch.exp(d) - d - 1)
+        else:
+            raise ValueError(f"config key 'kl_loss' must be k2 or k3, got {kl_loss!r}")
     m = mask.float()
     clipped = ((ratio < 1 - clip_low) & (a < 0)) | ((ratio > 1 + clip_high) & (a > 0))
     return (loss * m).sum(), {"clipped": (clipped.float() * m).sum().item()}
@@ -124,19 +139,23 @@ def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False)
     return (out, lsm) if full else out
 
 
-def batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev):
+def batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev, adv_norm="std", drop_rows=None):
     """Kept groups [(prompt index, tokens (G, T), mask (G, T), rewards (G,), rollout log-probs (G, T), ...)] ->
     ids, tmask (N, T'), advantages (N,), and the rollout policy's log-probs at the trainer's target positions
-    (N, T'), on `dev`. No groups: empty tensors, so that this rank still joins every collective of the update."""
+    (N, T'), on `dev`. No groups: empty tensors, so that this rank still joins every collective of the update.
+    `drop_rows` (N,) bool: rows that keep their place in the advantages but leave the loss (DAPO's overlong
+    filtering of truncated completions)."""
     if not kept:
         return (torch.zeros(0, 1, dtype=torch.long, device=dev), torch.zeros(0, 1, dtype=torch.bool, device=dev),
                 torch.zeros(0, device=dev), torch.zeros(0, 1, device=dev))
     p_ids = [pool_ids[i] for i, *_ in kept for _ in range(G)]
     ids, tmask = build_batch(p_ids, [row for k in kept for row in k[1]], [row for k in kept for row in k[2]],
                              pad_id)  # groups from different refill tries have different lengths
-    adv = torch.cat([group_advantages(k[3], G, adv_eps)[0] for k in kept])
+    adv = torch.cat([group_advantages(k[3], G, adv_eps, adv_norm)[0] for k in kept])
     roll = torch.zeros(tmask.shape)
     roll[tmask] = torch.cat([lp[m] for k in kept for lp, m in zip(k[4], k[2])])
+    if drop_rows is not None:
+        tmask[drop_rows] = False  # no token of theirs is trained on; the group's mean still counts them
     return ids.to(dev), tmask.to(dev), adv.to(dev), roll.to(dev)
 
 
@@ -188,14 +207,14 @@ def reference_logprobs(cfg, model, ids, tmask, packed, full=False):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def optimizer_step(cfg, model, opt, world, group):
-    """Sum the gradients over ranks, clip, and step; a NaN or inf norm on any rank skips the step on all of them.
-    Returns the gradient norm, or None when the step was skipped."""
+def optimizer_step(cfg, model, opt, world, group, loss_ok=True):
+    """Sum the gradients over ranks, clip, and step; a NaN or inf loss or gradient norm on any rank skips the
+    step on all of them. Returns the gradient norm, or None when the step was skipped."""
     if not cfg.fsdp:  # FSDP reduce-scatters the gradients itself
         allreduce_grads(model, world, group)
     gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
     gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # a DTensor under FSDP
-    bad = torch.tensor([0.0 if torch.isfinite(gn) else 1.0], device=gn.device)
+    bad = torch.tensor([0.0 if torch.isfinite(gn) and loss_ok else 1.0], device=gn.device)
     if world > 1:
         torch.distributed.all_reduce(bad, group=group)
     if bad.item() > 0:  # CPU-GPU sync point. NaN/inf anywhere: weights untouched on every rank
@@ -235,21 +254,27 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
     is_w, mis = is_weights(old, old if rollout_logp is None else rollout_logp, tmask.float(), mode,
                            cfg.is_cap, cfg.mis_low, cfg.mis_high)
     mb_tokens = (ntok / cfg.minibatches).clamp(min=1)  # token-level mean over the (global) minibatch
+    model.train()  # dropout (LoRA's) only here: rollouts, logp_old and evaluation run in eval mode
     for _ in range(cfg.passes):
         for k in range(cfg.minibatches):
             opt.zero_grad(set_to_none=True)
+            loss_ok = True
             for micro in chunks(torch.arange(k, N, cfg.minibatches)):  # may be none, or empty, on this rank
                 lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed)
                 loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low, cfg.clip_high,
-                                  None if ref is None else ref[micro], cfg.kl_coef, is_w[micro])
+                                  None if ref is None else ref[micro], cfg.kl_coef, is_w[micro], cfg.kl_loss)
                 (loss * (world if cfg.fsdp else 1) / mb_tokens).backward()  # FSDP averages over ranks: undo it
+                loss_ok &= bool(torch.isfinite(loss))  # an inf loss can still give a finite gradient
                 stats[0] += loss.item()
                 stats[2] += s["clipped"]
-            gn = optimizer_step(cfg, model, opt, world, group)
+            gn = optimizer_step(cfg, model, opt, world, group, loss_ok)
             if gn is None:
                 stats[3] += 1
             else:
                 stats[4] += gn.item()
+    model.eval()
+    taken = cfg.passes * cfg.minibatches - stats[3]
+    stats[4] = stats[4] / taken.clamp(min=1)  # the mean gradient norm of the steps taken, not their sum
     stats[1] = tmask.sum() * cfg.passes
     out = {"stats": stats, "alpha_mean": mis["alpha_mean"], "alpha_p5": mis["alpha_p5"],
            "is_cut": mis["is_cut"] / max(1, int(tmask.sum()))}

@@ -1,8 +1,8 @@
-"""bench.py's cost-model check (row (e) of `python bench.py rollout`) on a tiny model: the engine's measured
-decode times and sparsity.rollout_cost's prediction for the same schedule and lengths, and the rows' layout."""
+"""bench/cost.py's cost-model check (row (e) of `python -m bench rollout`) on a tiny model: the engine's measured
+decode times and bench.cost.rollout_cost's prediction for the same schedule and lengths, and the rows' layout."""
 import torch
 
-import bench
+from bench import cost
 from model import ModelConfig, Transformer
 from sparsity import dense_budget, fraction_budget
 
@@ -15,30 +15,30 @@ def tiny():
 
 
 def test_machine_rates_are_positive():
-    flops, bw = bench.machine_rates(n=64, nbytes=1 << 20, repeats=1)
+    flops, bw = cost.machine_rates(n=64, nbytes=1 << 20, repeats=1)
     assert flops > 0 and bw > 0
 
 
 def test_cost_model_check_sparse_and_dense():
     model, rates = tiny(), (1e10, 1e10)
-    sparse = bench.cost_model_check(model, 256, 8, 2, fraction_budget(1 / 8), 1, rates, repeats=1)
+    sparse = cost.cost_model_check(model, 256, 8, 2, fraction_budget(1 / 8), 1, rates, repeats=1)
     assert sparse["pred"]["speedup"] > 1 and sparse["pred"]["sparse_s"] < sparse["pred"]["dense_s"]
     assert min(sparse["measured"].values()) > 0 and sparse["speedup"] > 0
     assert 0 < sparse["pages"] < 1  # the sparse engine read fewer pages than dense decode
     # every page is the dense budget: the same prediction on both sides, and the engine reads every page
-    dense = bench.cost_model_check(model, 256, 8, 2, dense_budget, 1, rates, repeats=1)
+    dense = cost.cost_model_check(model, 256, 8, 2, dense_budget, 1, rates, repeats=1)
     assert dense["pred"]["speedup"] == 1 and dense["pages"] == 1
     # fewer new tokens, less predicted decode work
-    assert dense["pred"]["dense_s"] > bench.cost_model_check(model, 256, 2, 2, dense_budget, 1, rates,
-                                                              repeats=1)["pred"]["dense_s"]
+    assert dense["pred"]["dense_s"] > cost.cost_model_check(model, 256, 2, 2, dense_budget, 1, rates,
+                                                             repeats=1)["pred"]["dense_s"]
 
 
 def test_rows_have_seven_columns(monkeypatch):
-    monkeypatch.setattr(bench, "machine_rates", lambda: (1e10, 1e10))
-    real = bench.cost_model_check
-    monkeypatch.setattr(bench, "cost_model_check", lambda model, L_in, L_out, N, s, dl, rates:
+    monkeypatch.setattr(cost, "machine_rates", lambda: (1e10, 1e10))
+    real = cost.cost_model_check
+    monkeypatch.setattr(cost, "cost_model_check", lambda model, L_in, L_out, N, s, dl, rates:
                         real(tiny(), 256, 4, N, s, dl, rates, repeats=1))
-    rows = bench.rollout_cost_vs_measured("cpu", "python bench.py rollout --quick", quick=True)
+    rows = cost.rollout_cost_vs_measured("cpu", "python -m bench rollout --quick", quick=True)
     assert len(rows) == 4 and "PREDICTION" in rows[-1]
     for r in rows:
         cells = r.strip("|").split(" | ")

@@ -224,11 +224,11 @@ def test_engine_options_are_checked():
 
 
 def test_bench_rewrites_only_its_readme_block(tmp_path):
-    import bench
+    from bench.common import write_block
     f = tmp_path / "README.md"
     f.write_text("intro\n<!-- bench:rollout -->\nold\n<!-- /bench:rollout -->\noutro\n")
-    assert bench.write_readme_block("rollout", "| new |", str(f))
+    assert write_block("rollout", "| new |", str(f))
     assert f.read_text() == "intro\n<!-- bench:rollout -->\n| new |\n<!-- /bench:rollout -->\noutro\n"
     g = tmp_path / "OTHER.md"
     g.write_text("no markers\n")
-    assert not bench.write_readme_block("rollout", "| new |", str(g)) and g.read_text() == "no markers\n"
+    assert not write_block("rollout", "| new |", str(g)) and g.read_text() == "no markers\n"

@@ -100,7 +100,8 @@ def test_is_weights_tis_and_mis_by_hand():
 
 def test_pg_loss_kl_term():
     lp, ref = torch.zeros(1, 2), torch.log(torch.tensor([[0.5, 2.0]]))
-    loss, _ = update.pg_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.2, ref, kl_coef=0.5)
+    loss, _ = update.pg_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.2, ref, kl_coef=0.5,
+                             kl_loss="k3")
     d = ref[0]
     assert loss.item() == pytest.approx(0.5 * (torch.exp(d) - d - 1).sum().item(), abs=1e-6)
 
@@ -230,8 +231,8 @@ def test_a_refill_draws_the_missing_groups_over_the_keep_rate(tmp_path, monkeypa
     calls = []
     real = prompts.GrowthZoneSampler.next_batch
 
-    def logged(self, n):
-        batch = real(self, n)
+    def logged(self, n, refill=False):
+        batch = real(self, n, refill)
         calls.append([spread(p) for _, p in batch])
         return batch
 

@@ -1,0 +1,26 @@
+"""
+bench: side-by-side measurements. Every figure is a ratio of two things timed in the same run on the
+same machine, printed as a markdown table whose rows name the hardware and the command. One file per
+section; the full tables, with what they say, are in bench/RESULTS.md.
+
+    python -m bench rollout --threads 1       # stage 2: the rollout engine (8 minutes on one core)
+    python -m bench rollout --quick           # smaller sizes: a smoke run of the same code
+    python -m bench rollout --write-results   # also rewrite the rollout block of bench/RESULTS.md
+    python -m bench signal --threads 1        # stages 1 and 3: 5 seeds x 4 short runs (30 minutes)
+    python -m bench sparrow --threads 1       # stage 2 in the loop: five long-CoT runs (25 minutes)
+    python -m bench sparsecost --threads 1    # stage 2: where a decode step's time goes (4 minutes)
+
+Files:
+    __main__.py    the command line: one section, --quick, --threads, --write-results
+    common.py      the timer (best_of), the hardware string, table rows, the results writer
+    cost.py        the cost model (model_shape, rollout_cost) and its check against the engine
+    rollout.py     the engine vs transformers, shared prefill, sparse decode on the CPU and GPU
+    signal.py      growth-zone and dynamic sampling vs uniform sampling, same number of rollouts
+    sparrow.py     the miniature Sparrow experiment: five long-CoT runs, dense to sparse
+    sparsecost.py  a long-CoT decode step split into attention, page selection and the rest
+    RESULTS.md     the tables: one <!-- bench:SECTION --> ... <!-- /bench:SECTION --> block each
+
+Each section module has `run(quick, cmd) -> lines`: the table, head included, that the command
+prints and that --write-results puts between the section's markers. Nothing is imported here:
+`python -m bench rollout` loads only what the rollout section needs.
+"""

@@ -1,0 +1,52 @@
+"""
+bench/__main__.py: the command line. Runs one section, prints its table, and with --write-results
+puts the table between the section's markers in bench/RESULTS.md.
+
+    python -m bench SECTION [--quick] [--threads N] [--write-results]
+    python -m bench --help
+
+Simplifications:
+    1. The section's module is imported by name once the arguments are read, so a run loads only
+       what its section needs, and `--help` loads no section.
+    2. The command a row names is the one typed, with `python -m bench` in front.
+"""
+
+import argparse
+import importlib
+import os
+import sys
+
+import torch
+
+from bench.common import RESULTS, write_block
+
+SECTIONS = ("rollout", "signal", "sparrow", "sparsecost")  # bench/<name>.py, each with run()
+
+
+def main(argv):
+    p = argparse.ArgumentParser(prog="python -m bench",
+                                description="side-by-side measurements, as a markdown table")
+    p.add_argument("section", choices=SECTIONS)
+    p.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: torch's default); on a busy machine 1 thread is "
+                        "steadier than several that wait on each other")
+    p.add_argument("--write-results", action="store_true",
+                   help="rewrite the section's marked block of bench/RESULTS.md")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    section = importlib.import_module(f"bench.{args.section}")
+    table = "\n".join(section.run(args.quick, " ".join(["python -m bench"] + argv)))
+    print("\n" + table)
+    if args.write_results:
+        name = os.path.relpath(RESULTS)
+        if write_block(args.section, table):
+            print(f"{name}: rewrote the {args.section} block")
+        else:
+            print(f"{name} has no <!-- bench:{args.section} --> ... <!-- /bench:{args.section} --> "
+                  f"block: printed only")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

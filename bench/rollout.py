@@ -1,0 +1,211 @@
+"""
+bench/rollout.py: stage 2, the rollout engine, measured against what it replaces.
+    (a) tokens/s of our engine against transformers' `generate`, same weights, batch and lengths
+    (b) prefill work and time for a group of G = 8 rollouts of one long prompt, shared vs per row
+    (c) one decode step's attention, sparse (1/8 of the pages) vs dense, on the CPU path
+    (d) on a GPU only: the Triton kernel vs SDPA dense decode vs FlexAttention on the same pages,
+        and the bandwidth each reaches as a fraction of the device's peak
+    (e) the cost model (bench/cost.py) next to the engine: predicted and measured decode speedup of
+        a sparse schedule on this machine, and the prediction for Qwen3-1.7B on an H200
+
+Simplifications:
+    1. The model is random: speed does not depend on the weights. Decoding is greedy with EOS off,
+       so both sides of a comparison generate exactly the same number of tokens.
+    2. The longest generations run once, without a warm-up; the rest is best of a few (common.py).
+    3. Peak bandwidth comes from a small table of datasheet numbers keyed by device name; an unknown
+       device gets no fraction.
+
+    python -m bench rollout --threads 1      # about 8 minutes on one CPU core; (d) where CUDA is
+    python -m bench rollout --quick          # smaller sizes: a smoke run of the same code
+"""
+
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from bench.common import TABLE_HEAD, _Ids, bench_model, best_of, hardware, row
+from bench.cost import rollout_cost_vs_measured
+from kernels.block_sparse_decode import (block_sparse_decode, block_sparse_decode_ref,
+                                         decode_attention, dense_selection)
+from rollout import Engine
+from sparsity import centroid_scores, fraction_budget, pages_to_read, select_pages
+
+PEAK_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12,
+                    "RTX 4090": 1.008e12}
+
+
+def rollout_vs_transformers(model, lengths, batch, prompt_len, hw, cmd):
+    """(a) Tokens/s of Engine.generate against transformers' generate on the same weights, dense and
+    greedy."""
+    # imported here: loading transformers' model classes takes seconds, and only (a) needs them
+    from transformers import AutoModelForCausalLM
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.randint(2, model.config.vocab_size, (batch, prompt_len),
+                        generator=torch.Generator().manual_seed(0))
+    for n in lengths:
+        eng = Engine(model, _Ids(), max_new_tokens=n, temperature=0.0, eos_ids=[])
+        out = {}
+
+        @torch.no_grad()
+        def run_hf():
+            out["hf"] = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                    max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+        t = best_of({"ours": lambda: out.setdefault("ours", eng.generate(ids.tolist(), 1)),
+                     "hf": run_hf}, repeats=1 if n >= 1024 else 2, warmup=0 if n >= 1024 else 1)
+        same = (out["ours"].tokens == out["hf"][:, prompt_len:]).float().mean().item()
+        toks = batch * n
+        rows.append(row(f"(a) greedy generation, batch {batch}, prompt {prompt_len}, {n} new "
+                        f"tokens, dense ({same:.0%} of tokens identical)",
+                        f"{toks / t['ours']:.0f} tok/s",
+                        f"{toks / t['hf']:.0f} tok/s (transformers)", t["hf"] / t["ours"],
+                        ">= 2x at 1,024" if n >= 1024 else "", hw, cmd))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def rollout_shared_prefill(model, prompt_len, G, hw, cmd):
+    """(b) Prefill of a group of G rollouts of one prompt: shared (once) against once per row."""
+    prompt = torch.randint(2, model.config.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(1))
+    ros = {True: [], False: []}
+    engines = {share: Engine(model, _Ids(), max_new_tokens=1, temperature=0.0, eos_ids=[],
+                             share_prefix=share) for share in ros}
+    best_of({share: (lambda s=share: ros[s].append(engines[s].generate([prompt.tolist()], G)))
+             for share in ros}, repeats=3)
+    t_s, t_n = (min(r.timings["prefill_s"] for r in ros[s]) for s in (True, False))
+    n_s, n_n = (ros[s][-1].timings["prefill_tokens"] for s in (True, False))
+    out = [row(f"(b) prefill tokens, G = {G} rollouts of a {prompt_len}-token prompt", f"{n_s}",
+               f"{n_n} (each rollout prefilled)", n_n / n_s, f"exactly {G}x", hw, cmd),
+           row("(b) prefill wall time, same group", f"{t_s * 1e3:.0f} ms", f"{t_n * 1e3:.0f} ms",
+               t_n / t_s, f">= {0.8 * G:.1f}x", hw, cmd)]
+    print("\n".join(out), flush=True)
+    return out
+
+
+def paged_problem(B, H_kv, G, D, ctx, page_size, dtype, device, seed=0):
+    """Full-length sequences in a shuffled paged pool, with every page's mean key: what a decode
+    step sees. Made on the device itself (a 128k-token pool is gigabytes)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n = -(-ctx // page_size)
+    k = torch.randn(B * n, page_size, H_kv, D, generator=gen, device=device).to(dtype)
+    v = torch.randn(B * n, page_size, H_kv, D, generator=gen, device=device).to(dtype)
+    table = torch.randperm(B * n, generator=gen, device=device).view(B, n).to(torch.int32)
+    q = torch.randn(B, H_kv * G, D, generator=gen, device=device).to(dtype)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    return q, k, v, table, lens, k.float().mean(1)  # kmean (num_pages, H_kv, D)
+
+
+def sparse_step(q, k, v, table, lens, kmean, fraction, keep_first=1, keep_recent=2):
+    """Select `fraction` of the pages (centroid scores, sink and recent kept): the engine's
+    per-layer work."""
+    B, P = table.shape
+    n_read = pages_to_read(fraction_budget(fraction), P, P, keep_first, keep_recent)
+    counts = torch.full((B,), P, device=q.device)
+    scores = centroid_scores(q, kmean[table.long()])  # (B, H_kv, P)
+    return select_pages(scores, counts, counts, torch.full_like(counts, n_read), keep_first,
+                        keep_recent, n_read)
+
+
+def rollout_sparse_decode_cpu(contexts, B, H_q, H_kv, D, page_size, hw, cmd):
+    """(c) One decode step's attention on the CPU path (the PyTorch reference), 1/8 of the pages vs
+    all."""
+    rows = []
+    for ctx in contexts:
+        q, k, v, table, lens, kmean = paged_problem(B, H_kv, H_q // H_kv, D, ctx, page_size,
+                                                    torch.float32, "cpu")
+        sel, n_sel = sparse_step(q, k, v, table, lens, kmean, 1 / 8)
+        both = lambda: decode_attention(q, k, v, table, lens,
+                                        *sparse_step(q, k, v, table, lens, kmean, 1 / 8))
+        t = best_of({"dense": lambda: decode_attention(q, k, v, table, lens),
+                     "attn": lambda: decode_attention(q, k, v, table, lens, sel, n_sel),
+                     "both": both}, repeats=5)
+        t_dense, t_attn, t_both = t["dense"], t["attn"], t["both"]
+        shape = f"B={B}, Hq={H_q}, Hkv={H_kv}, D={D}, fp32, pages of {page_size}"
+        rows.append(row(f"(c) decode attention, {ctx // 1024}k context, 1/8 of the pages vs all "
+                        f"({shape})", f"{t_attn * 1e3:.1f} ms; {t_both * 1e3:.1f} ms with page "
+                        f"scoring and selection ({t_dense / t_both:.1f}x)",
+                        f"{t_dense * 1e3:.1f} ms (dense)", t_dense / t_attn,
+                        ">= 4x at 16k" if ctx >= 16384 else "", hw, cmd))
+        print(rows[-1], flush=True)
+        del q, k, v, table, kmean  # before the next, larger context is made
+    return rows
+
+
+def rollout_sparse_decode_gpu(contexts, B, H_q, H_kv, D, page_size, hw, cmd, device="cuda"):
+    """(d) The Triton kernel (dense and 1/8 of the pages) against SDPA dense decode on an unpaged
+    copy, and FlexAttention on the same pages; bf16, with the bandwidth each reaches."""
+    peak = next((bw for name, bw in PEAK_BYTES_PER_S.items() if name in hw), None)
+    flex = torch.compile(flex_attention, dynamic=False)
+    G, rows = H_q // H_kv, []
+    for ctx in contexts:
+        q, k, v, table, lens, kmean = paged_problem(B, H_kv, G, D, ctx, page_size, torch.bfloat16,
+                                                    device)
+        sel, n_sel = sparse_step(q, k, v, table, lens, kmean, 1 / 8)
+        dsel, dn = dense_selection(table, lens, H_kv, page_size)
+        P = table.shape[1]
+        # (B, H_kv, T, D): unpaged copies for SDPA and flex
+        kc = k[table.long()].flatten(1, 2).transpose(1, 2).contiguous()
+        vc = v[table.long()].flatten(1, 2).transpose(1, 2).contiguous()
+        # flex: one KV block per page; the G queries of a group go in as G query positions of one
+        # head, because flex's per-head block mask and GQA do not combine in its decoding kernel
+        idx = torch.zeros(B, H_kv, 1, P, dtype=torch.int32, device=device)
+        idx[..., :sel.shape[2]] = sel[:, :, None]
+        mask = BlockMask.from_kv_blocks(n_sel[..., None].contiguous(), idx,
+                                        BLOCK_SIZE=(128, page_size), seq_lengths=(G, P * page_size),
+                                        compute_q_blocks=False)
+        qg = q.view(B, H_kv, G, D)
+        runs = {"kernel sparse": lambda: block_sparse_decode(q, k, v, table, lens, sel, n_sel),
+                "kernel dense": lambda: block_sparse_decode(q, k, v, table, lens, dsel, dn),
+                "SDPA dense": lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc,
+                                                                     enable_gqa=True),
+                "flex sparse": lambda: flex(qg, kc, vc, block_mask=mask)}
+        ref = block_sparse_decode_ref(q, k, v, table, lens, sel, n_sel).float()
+        for name in ("kernel sparse", "flex sparse"):
+            err = (runs[name]().reshape(B, H_q, D).float() - ref).abs().max().item()
+            assert err < 3e-2, f"{name} differs from the reference by {err} at {ctx} tokens"
+        t = best_of(runs, repeats=20, warmup=3)
+        kv_bytes = 2 * B * H_kv * D * k.element_size() * page_size  # K and V of one page, all rows
+        nbytes = {"kernel sparse": kv_bytes * sel.shape[2], "flex sparse": kv_bytes * sel.shape[2],
+                  "kernel dense": kv_bytes * P, "SDPA dense": kv_bytes * P}
+
+        def bw(name):
+            rate = nbytes[name] / t[name]
+            return (f"{t[name] * 1e6:.0f} us, {rate / 1e12:.2f} TB/s"
+                    + (f" ({rate / peak:.0%} of peak)" if peak else ""))
+        shape = f"{ctx // 1024}k context, B={B}, Hq={H_q}, Hkv={H_kv}, D={D}, bf16"
+        rows += [row(f"(d) kernel 1/8 pages vs SDPA dense, {shape}", bw("kernel sparse"),
+                     "SDPA " + bw("SDPA dense"), t["SDPA dense"] / t["kernel sparse"], "", hw, cmd),
+                 row(f"(d) kernel 1/8 pages vs FlexAttention on the same pages, {shape}",
+                     bw("kernel sparse"), "flex " + bw("flex sparse"),
+                     t["flex sparse"] / t["kernel sparse"], "", hw, cmd),
+                 row(f"(d) kernel dense vs SDPA dense, {shape}", bw("kernel dense"),
+                     "SDPA " + bw("SDPA dense"), t["SDPA dense"] / t["kernel dense"], "", hw, cmd)]
+        print("\n".join(rows[-3:]), flush=True)
+        del q, k, v, kc, vc  # before the next, larger context is made
+    return rows
+
+
+def run(quick, cmd):
+    """(a) and (b) run the engine on the CPU, (c) times the CPU attention path, (d) needs CUDA, (e)
+    is the cost model beside the engine. -> the table, head included."""
+    hw = hardware()
+    print("\n".join(TABLE_HEAD), flush=True)
+    model = bench_model(max_len=4096)
+    rows = rollout_vs_transformers(model, [32, 64] if quick else [256, 1024], batch=8,
+                                   prompt_len=32, hw=hw, cmd=cmd)
+    rows += rollout_shared_prefill(model, 256 if quick else 1024, G=8, hw=hw, cmd=cmd)
+    del model
+    rows += rollout_sparse_decode_cpu([1024, 4096] if quick else [4096, 16384], B=4, H_q=16, H_kv=8,
+                                      D=128, page_size=16, hw=hw, cmd=cmd)
+    if torch.cuda.is_available():
+        rows += rollout_sparse_decode_gpu([8192, 32768] if quick else [8192, 32768, 131072], B=8,
+                                          H_q=16, H_kv=8, D=128, page_size=16,
+                                          hw=hardware(gpu=True), cmd=cmd)
+    rows += rollout_cost_vs_measured(hw, cmd, quick)
+    return TABLE_HEAD + rows
