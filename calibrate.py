@@ -1,30 +1,36 @@
 """
-calibrate.py: stage 2, the budget schedule. Sparrow's idea: the KV pages a decode step reads grow with the
-cached length, bin by bin, so that the tail of the sparse-to-dense mismatch (the 5th percentile of alpha in
-each bin) stays at a threshold. Set offline by a sweep, kept on target online by a controller.
+calibrate.py: stage 2, the budget schedule. Sparrow's idea: the KV pages a decode step reads grow
+with the cached length, bin by bin, so that the tail of the sparse-to-dense mismatch (the 5th
+percentile of alpha in each bin) stays at a threshold. Set offline by a sweep, kept on target online
+by a controller.
 
-    python calibrate.py configs/longcot.py                     # -> out/longcot/kv_schedule.json, and printed
+    python calibrate.py configs/longcot.py  # -> out/longcot/kv_schedule.json, and printed
     python calibrate.py configs/longcot.py --kv_target=0.9 --calib_prompts=32
-    python train.py configs/longcot.py --kv_budget=schedule:out/longcot/kv_schedule.json --kv_controller=true
-    python train.py configs/longcot.py --kv_budget=calibrate   # the same sweep at the start of the run
+    python train.py configs/longcot.py --kv_budget=schedule:out/longcot/kv_schedule.json \\
+        --kv_controller=true
+    python train.py configs/longcot.py --kv_budget=calibrate  # the same sweep, at the run's start
 
 What is here:
-    Schedule          pages to read per bin of cached length; an engine budget function (Engine(sparse=...))
-    calibrate         the sweep: one uniform table per candidate budget, and per bin the first that holds
-    calibrate_engine  calibrate on a real model: sparse rollouts, a dense forward over the same tokens, p5
-                      alpha per bin
-    Controller        online: each step's p5 per bin raises a failing bin at once and lowers a calm one slowly
-    kv_budget         the engine's budget from config key kv_budget (dense, fraction, fixed, table, schedule
-                      file, or the sweep at the start of the run)
-    main              the CLI above: build the policy the run would start from, sweep, write the JSON
+    Schedule          pages to read per bin of cached length; an engine budget function
+                      (Engine(sparse=...))
+    calibrate         the sweep: one uniform table per candidate budget, and per bin the first that
+                      holds
+    calibrate_engine  calibrate on a real model: sparse rollouts, a dense forward over the same
+                      tokens, p5 alpha per bin
+    Controller        online: each step's p5 per bin raises a failing bin at once and lowers a calm
+                      one slowly
+    kv_budget         the engine's budget from config key kv_budget (dense, fraction, fixed, table,
+                      schedule file, or the sweep at the start of the run)
+    main              the CLI above: build the policy the run would start from, sweep, write the
+                      JSON
 
 Simplifications:
-    1. Calibration sweeps one uniform table per candidate and lets each bin pick from it, as if the bins
-       were independent (see `calibrate`).
-    2. The controller does not model how p5 moves with budget: it steps and remembers the last budget that
-       failed (see `Controller`).
-    3. A bin that no candidate satisfies is an error that names it: add larger candidates (a candidate at least
-       as large as the bin's cached pages reads it densely, so it always passes).
+    1. Calibration sweeps one uniform table per candidate and lets each bin pick from it, as if the
+       bins were independent (see `calibrate`).
+    2. The controller does not model how p5 moves with budget: it steps and remembers the last
+       budget that failed (see `Controller`).
+    3. A bin that no candidate satisfies is an error that names it: add larger candidates (a
+       candidate at least as large as the bin's cached pages reads it densely, so it always passes).
 """
 
 import json
@@ -38,21 +44,24 @@ import torch
 from config import parse_config
 from parallel import setup_dist
 from rollout import Engine
-from sparsity import alpha_sample, bin_index, bin_stats, dense_logprobs, fixed_budget, fraction_budget
+from sparsity import (alpha_sample, bin_index, bin_stats, dense_logprobs, fixed_budget,
+                      fraction_budget)
 from tasks import encode_pool, load_problems
 from warmstart import build_policy
 
 
-# ----------------------------------------------------------------------------- the schedule: pages per length bin
+# --------------------------------------------------------------- the schedule: pages per length bin
 
 
 class Schedule:
-    """Sparrow's schedule: read table[i] pages while the cached length is in bin i (bins of `bin_pages` pages;
-    the last entry holds beyond the table). It is an engine budget function, `Engine(sparse=schedule)`; the
-    engine keeps the object, so a Controller that edits the table steers the next `generate` call.
+    """Sparrow's schedule: read table[i] pages while the cached length is in bin i (bins of
+    `bin_pages` pages; the last entry holds beyond the table). It is an engine budget function,
+    `Engine(sparse=schedule)`; the engine keeps the object, so a Controller that edits the table
+    steers the next `generate` call.
 
     threshold  the p5 alpha that the table was calibrated for (the Controller's default target)
-    min_pages, max_pages  bounds for every entry (max None: unbounded; the engine reads at most what is cached)
+    min_pages, max_pages  bounds for every entry (max None: unbounded; the engine reads at most what
+                          is cached)
     Save `state_dict()` with the checkpoint and `load_state_dict()` it on resume."""
 
     def __init__(self, table, bin_pages, threshold=0.86, min_pages=1, max_pages=None):
@@ -61,15 +70,17 @@ class Schedule:
         if not 0 <= threshold <= 1:
             raise ValueError(f"Schedule: threshold is a p5 alpha in [0, 1], got {threshold}")
         if min_pages < 1 or (max_pages is not None and max_pages < min_pages):
-            raise ValueError(f"Schedule: want 1 <= min_pages <= max_pages, got {min_pages}, {max_pages}")
-        self.bin_pages, self.threshold, self.min_pages, self.max_pages = bin_pages, threshold, min_pages, max_pages
+            raise ValueError(f"Schedule: want 1 <= min_pages <= max_pages, got {min_pages}, "
+                             f"{max_pages}")
+        self.bin_pages, self.threshold = bin_pages, threshold
+        self.min_pages, self.max_pages = min_pages, max_pages
         self.table = [int(x) for x in table]
         if not self.table:
             raise ValueError("Schedule: the table is empty")
         bad = [(i, x) for i, x in enumerate(self.table) if x != self.clamp(x)]
         if bad:
-            raise ValueError(f"Schedule: table entries (bin, pages) {bad} lie outside [min_pages={min_pages}, "
-                             f"max_pages={max_pages}]")
+            raise ValueError(f"Schedule: table entries (bin, pages) {bad} lie outside "
+                             f"[min_pages={min_pages}, max_pages={max_pages}]")
 
     # no __len__: the engine tests `sparse or None`, and an object with a length could read as False
 
@@ -83,7 +94,8 @@ class Schedule:
         return pages if self.max_pages is None else min(self.max_pages, pages)
 
     def extend(self, n_bins):
-        """Give the bins up to n_bins their own entries, each a copy of the last (which already held there)."""
+        """Give the bins up to n_bins their own entries, each a copy of the last (which already held
+        there)."""
         self.table += [self.table[-1]] * (n_bins - len(self.table))
 
     def state_dict(self):
@@ -94,27 +106,33 @@ class Schedule:
         missing = {"table", "bin_pages", "threshold", "min_pages", "max_pages"} - set(sd)
         if missing:
             raise KeyError(f"Schedule.load_state_dict: missing keys {sorted(missing)}")
-        self.__init__(sd["table"], sd["bin_pages"], sd["threshold"], sd["min_pages"], sd["max_pages"])
+        self.__init__(sd["table"], sd["bin_pages"], sd["threshold"], sd["min_pages"],
+                      sd["max_pages"])
 
     def __repr__(self):
-        return f"Schedule(table={self.table}, bin_pages={self.bin_pages}, threshold={self.threshold})"
+        return (f"Schedule(table={self.table}, bin_pages={self.bin_pages}, "
+                f"threshold={self.threshold})")
 
 
 def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
-    """Offline calibration: the smallest candidate budget per bin whose p5 alpha reaches `threshold`.
+    """Offline calibration: the smallest candidate budget per bin whose p5 alpha reaches
+    `threshold`.
 
-    measure(table) -> p5 per bin: `bins` floats, NaN for a bin without tokens (see calibrate_engine).
-    The sweep measures one uniform table, [c] * bins, per candidate c in ascending order, and each bin keeps the
-    first c at which its own p5 passes: len(candidates) measurements instead of one per (bin, candidate). That
-    treats the bins as independent. They are not quite: a token's mismatch comes mostly from its own step's
-    budget, but earlier steps' budgets reach it through the keys and values that sparse layers wrote and
-    through the tokens sampled. The online Controller corrects what this leaves.
-    The sweep stops at the first candidate at which every bin with tokens has passed. A bin without tokens at
-    any candidate copies the bin before it; one that failed while it had tokens and has none at the largest
-    candidate (sparse rollouts that ran long where dense ones stop) gets the largest candidate; `monotone` lifts
-    each bin to at least the one before it (the tail worsens with length; lifting never breaks a bin's threshold).
-    A bin that no candidate satisfies is an error: include a candidate at least as large as the bin's cached
-    pages, which reads it densely."""
+    measure(table) -> p5 per bin: `bins` floats, NaN for a bin without tokens (see
+    calibrate_engine).
+    The sweep measures one uniform table, [c] * bins, per candidate c in ascending order, and each
+    bin keeps the first c at which its own p5 passes: len(candidates) measurements instead of one
+    per (bin, candidate). That treats the bins as independent. They are not quite: a token's
+    mismatch comes mostly from its own step's budget, but earlier steps' budgets reach it through
+    the keys and values that sparse layers wrote and through the tokens sampled. The online
+    Controller corrects what this leaves.
+    The sweep stops at the first candidate at which every bin with tokens has passed. A bin without
+    tokens at any candidate copies the bin before it; one that failed while it had tokens and has
+    none at the largest candidate (sparse rollouts that ran long where dense ones stop) gets the
+    largest candidate; `monotone` lifts each bin to at least the one before it (the tail worsens
+    with length; lifting never breaks a bin's threshold).
+    A bin that no candidate satisfies is an error: include a candidate at least as large as the
+    bin's cached pages, which reads it densely."""
     cands = sorted({int(c) for c in candidates})
     if not cands or cands[0] < 1:
         raise ValueError(f"calibrate: candidates must be page counts >= 1, got {candidates}")
@@ -134,16 +152,18 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
                 chosen[b] = c
         if all(ch is not None or not s for ch, s in zip(chosen, seen)) and any(seen):
             break
-    for b in range(bins):  # failed while it had tokens, then lost them (rollouts got shorter): the safe side
+    for b in range(bins):
+        # failed while it had tokens, then lost them (rollouts got shorter): the safe side
         if seen[b] and chosen[b] is None and not last[b]:
             chosen[b] = cands[-1]
     fail = [(b, round(best[b], 4)) for b in range(bins) if seen[b] and chosen[b] is None]
     if fail:
-        raise ValueError(f"calibrate: bins (bin, best p5) {fail} stay below {threshold} at the largest candidate "
-                         f"{cands[-1]} pages: add larger candidates")
+        raise ValueError(f"calibrate: bins (bin, best p5) {fail} stay below {threshold} at the "
+                         f"largest candidate {cands[-1]} pages: add larger candidates")
     if not any(seen):
         raise ValueError("calibrate: measure returned no tokens in any bin")
-    first = next(ch for ch in chosen if ch is not None)  # bins before the first measured one copy it
+    # bins before the first measured one copy it
+    first = next(ch for ch in chosen if ch is not None)
     table = []
     for ch in chosen:
         prev = table[-1] if table else first
@@ -154,13 +174,14 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
 
 
 def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins=None, group_size=1,
-                     threshold=0.86, seed=0, min_count=1, max_new_tokens=256, temperature=1.0, page_size=16,
-                     **engine_kw):
-    """`calibrate` on a real model: measure(table) generates sparse rollouts of `prompt_ids` with that table,
-    recomputes the sampled tokens' log-probs with a dense full forward (dense_logprobs), takes alpha_sample per
-    token and its p5 per bin (bins of pages cached, aligned with the schedule; bins with fewer than `min_count`
-    tokens count as empty). Every candidate samples with the same seed. engine_kw go to rollout.Engine
-    (scorer, keep_recent, dense_layers, ...). Returns a Schedule."""
+                     threshold=0.86, seed=0, min_count=1, max_new_tokens=256, temperature=1.0,
+                     page_size=16, **engine_kw):
+    """`calibrate` on a real model: measure(table) generates sparse rollouts of `prompt_ids` with
+    that table, recomputes the sampled tokens' log-probs with a dense full forward (dense_logprobs),
+    takes alpha_sample per token and its p5 per bin (bins of pages cached, aligned with the
+    schedule; bins with fewer than `min_count` tokens count as empty). Every candidate samples with
+    the same seed. engine_kw go to rollout.Engine (scorer, keep_recent, dense_layers, ...). Returns
+    a Schedule."""
     if n_bins is None:  # enough bins for the longest prompt plus max_new_tokens
         longest = max(len(p) for p in prompt_ids) + max_new_tokens
         n_bins = -(-longest // page_size) // bin_pages + 1
@@ -176,28 +197,33 @@ def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins
     return Schedule(calibrate(measure, n_bins, candidates, threshold), bin_pages, threshold)
 
 
-# ----------------------------------------------------------------------------- the controller: online correction
+# ---------------------------------------------------------------- the controller: online correction
 
 
 class Controller:
-    """Online: after every step's rollouts, `observe(p5, count)` (from bin_stats) moves each bin's budget toward
-    the smallest one whose p5 alpha stays at `target`.
+    """Online: after every step's rollouts, `observe(p5, count)` (from bin_stats) moves each bin's
+    budget toward the smallest one whose p5 alpha stays at `target`.
 
-    - p5 < target: raise the bin by step_pages at once (a collapse costs more than a slow step), and remember
-      that the old budget failed: the bin's floor becomes the new budget.
-    - p5 >= target for `patience` observations in a row: lower it by step_pages, unless that would go below
-      the floor (a budget known to fail). This probing goes on inside the deadband, so started from too large
-      a table the controller still walks down to the minimal one; a rule that only lowered above
-      target + deadband would stop anywhere inside the band.
-    - The floor is the hysteresis: once a bin has failed one step down, it holds instead of oscillating. It is
-      forgotten (back to min_pages) after 5 * patience observations in a row at least `deadband` above the
-      target: the policy has drifted to a place where the tail has room, so a lower budget is worth a probe.
-      (If one step of budget moves p5 by more than the deadband, that probe recurs every so often.)
-    - Bins with fewer than `min_count` tokens (or NaN) are left alone: a 5th percentile needs tokens.
-    - Entries stay within the schedule's [min_pages, max_pages]; bins past the table get their own entries.
-    Noise that drops the minimal budget's p5 below target leaves the bin a step high: the safe side."""
+    - p5 < target: raise the bin by step_pages at once (a collapse costs more than a slow step), and
+      remember that the old budget failed: the bin's floor becomes the new budget.
+    - p5 >= target for `patience` observations in a row: lower it by step_pages, unless that would
+      go below the floor (a budget known to fail). This probing goes on inside the deadband, so
+      started from too large a table the controller still walks down to the minimal one; a rule that
+      only lowered above target + deadband would stop anywhere inside the band.
+    - The floor is the hysteresis: once a bin has failed one step down, it holds instead of
+      oscillating. It is forgotten (back to min_pages) after 5 * patience observations in a row at
+      least `deadband` above the target: the policy has drifted to a place where the tail has room,
+      so a lower budget is worth a probe. (If one step of budget moves p5 by more than the deadband,
+      that probe recurs every so often.)
+    - Bins with fewer than `min_count` tokens (or NaN) are left alone: a 5th percentile needs
+      tokens.
+    - Entries stay within the schedule's [min_pages, max_pages]; bins past the table get their own
+      entries.
+    Noise that drops the minimal budget's p5 below target leaves the bin a step high: the safe
+    side."""
 
-    def __init__(self, schedule, target=None, step_pages=None, deadband=0.02, patience=3, min_count=64):
+    def __init__(self, schedule, target=None, step_pages=None, deadband=0.02, patience=3,
+                 min_count=64):
         if not isinstance(schedule, Schedule):
             raise TypeError(f"Controller wants a Schedule, got {type(schedule).__name__}")
         self.schedule = schedule
@@ -240,7 +266,8 @@ class Controller:
         return moved
 
     def state_dict(self):
-        return {"target": self.target, "floor": list(self.floor), "calm": list(self.calm), "room": list(self.room)}
+        return {"target": self.target, "floor": list(self.floor), "calm": list(self.calm),
+                "room": list(self.room)}
 
     def load_state_dict(self, sd):
         self.target = sd["target"]
@@ -251,8 +278,9 @@ class Controller:
 
 
 def kv_budget(cfg, model=None, tok=None, pool_ids=None, log=print, rank=0):
-    """The rollout engine's KV budget from the config: False (dense) or a function of the cached page count.
-    kv_budget=calibrate runs the sweep on `model` and (rank 0) saves the table to out_dir/kv_schedule.json."""
+    """The rollout engine's KV budget from the config: False (dense) or a function of the cached
+    page count. kv_budget=calibrate runs the sweep on `model` and (rank 0) saves the table to
+    out_dir/kv_schedule.json."""
     kind, _, arg = cfg.kv_budget.partition(":")
     if kind == "schedule":
         return load_schedule(arg, cfg.page_size)
@@ -272,8 +300,8 @@ def kv_budget(cfg, model=None, tok=None, pool_ids=None, log=print, rank=0):
             return Schedule([int(x) for x in arg.split(",")], cfg.kv_bin_pages)
     except ValueError as e:
         raise ValueError(f"config key 'kv_budget': {e}") from None
-    raise ValueError(f"config key 'kv_budget' must be dense, fraction:F, fixed:N, table:N1,N2,..., schedule:PATH or "
-                     f"calibrate, got {cfg.kv_budget!r}")
+    raise ValueError(f"config key 'kv_budget' must be dense, fraction:F, fixed:N, table:N1,N2,..., "
+                     f"schedule:PATH or calibrate, got {cfg.kv_budget!r}")
 
 
 def calibrated_schedule(cfg, model, tok, pool_ids, log=print):
@@ -282,37 +310,42 @@ def calibrated_schedule(cfg, model, tok, pool_ids, log=print):
     if not prompt_ids:
         raise ValueError("calibrate: no training prompts to calibrate on")
     t0 = time.perf_counter()
-    log(f"calibrating the KV schedule: {len(prompt_ids)} prompts x {cfg.group_size} rollouts, candidates "
-        f"{list(cfg.kv_candidates)} pages, bins of {cfg.kv_bin_pages} pages, p5 alpha >= {cfg.kv_target}")
-    sched = calibrate_engine(model, tok, prompt_ids, cfg.kv_candidates, cfg.kv_bin_pages, group_size=cfg.group_size,
-                             threshold=cfg.kv_target, seed=cfg.seed, min_count=20, max_new_tokens=cfg.max_new_tokens,
-                             temperature=cfg.temperature, page_size=cfg.page_size, scorer=cfg.kv_scorer,
-                             dense_layers=cfg.dense_layers, stop=[cfg.stop] if cfg.stop else [])
-    log(f"calibrated in {time.perf_counter() - t0:.0f} s: table {sched.table} (pages read per bin of "
-        f"{cfg.kv_bin_pages} pages)")
+    log(f"calibrating the KV schedule: {len(prompt_ids)} prompts x {cfg.group_size} rollouts, "
+        f"candidates {list(cfg.kv_candidates)} pages, bins of {cfg.kv_bin_pages} pages, p5 alpha "
+        f">= {cfg.kv_target}")
+    sched = calibrate_engine(model, tok, prompt_ids, cfg.kv_candidates, cfg.kv_bin_pages,
+                             group_size=cfg.group_size, threshold=cfg.kv_target, seed=cfg.seed,
+                             min_count=20, max_new_tokens=cfg.max_new_tokens,
+                             temperature=cfg.temperature, page_size=cfg.page_size,
+                             scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers,
+                             stop=[cfg.stop] if cfg.stop else [])
+    log(f"calibrated in {time.perf_counter() - t0:.0f} s: table {sched.table} (pages read per bin "
+        f"of {cfg.kv_bin_pages} pages)")
     return sched
 
 
 def save_schedule(sched, path, cfg):
     with open(path + ".tmp", "w") as f:
         json.dump({**sched.state_dict(), "calibrated_on": {k: getattr(cfg, k) for k in (
-            "model", "task", "difficulty", "page_size", "kv_scorer", "dense_layers", "calib_prompts", "group_size",
-            "temperature", "max_new_tokens", "kv_candidates")}}, f, indent=1)
+            "model", "task", "difficulty", "page_size", "kv_scorer", "dense_layers",
+            "calib_prompts", "group_size", "temperature", "max_new_tokens", "kv_candidates")}},
+            f, indent=1)
     os.replace(path + ".tmp", path)
 
 
 def load_schedule(path, page_size=None):
-    """A schedule written by save_schedule -> Schedule. A page size other than the one it was calibrated
-    for is refused: its bins and budgets count pages."""
+    """A schedule written by save_schedule -> Schedule. A page size other than the one it was
+    calibrated for is refused: its bins and budgets count pages."""
     try:
         with open(path) as f:
             sd = json.load(f)
     except FileNotFoundError:
-        raise FileNotFoundError(f"kv_budget=schedule:{path}: no such file (write one with python calibrate.py "
-                                f"CONFIG)") from None
+        raise FileNotFoundError(f"kv_budget=schedule:{path}: no such file (write one with python "
+                                f"calibrate.py CONFIG)") from None
     made = sd.get("calibrated_on", {}).get("page_size")
     if page_size is not None and made is not None and made != page_size:
-        raise ValueError(f"{path} was calibrated for page_size={made}, the run has page_size={page_size}")
+        raise ValueError(f"{path} was calibrated for page_size={made}, the run has "
+                         f"page_size={page_size}")
     sched = Schedule([1], 1)
     sched.load_state_dict(sd)
     return sched

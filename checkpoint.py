@@ -1,20 +1,21 @@
 """
 checkpoint.py: atomic save and exact resume.
 
-    python train.py --save_every=20                 # out_dir/ckpt, rewritten every 20 steps and at the end
-    python train.py --resume=true                   # continue from out_dir/ckpt: the same next loss as unbroken
+    python train.py --save_every=20  # out_dir/ckpt, rewritten every 20 steps and at the end
+    python train.py --resume=true    # continue from out_dir/ckpt: the same next loss as unbroken
 
-A checkpoint is a Hugging Face folder (config.json, model.safetensors, the tokenizer), so transformers and
-other engines load the trained model as it is, plus trainer_state.pt: the step, the optimizer, the sampler,
-the run's history, the RNG state, the config, and the state of whatever else the run keeps (the KV schedule,
-its controller, the DistillSparse adapter). With LoRA the folder also holds the adapter in PEFT's format, and
-resume loads the adapter (model.safetensors holds the merged weights, for other engines).
+A checkpoint is a Hugging Face folder (config.json, model.safetensors, the tokenizer), so
+transformers and other engines load the trained model as it is, plus trainer_state.pt: the step, the
+optimizer, the sampler, the run's history, the RNG state, the config, and the state of whatever else
+the run keeps (the KV schedule, its controller, the DistillSparse adapter). With LoRA the folder
+also holds the adapter in PEFT's format, and resume loads the adapter (model.safetensors holds the
+merged weights, for other engines).
 
 Simplifications:
     1. One checkpoint, overwritten; no history of checkpoints.
-    2. A kill at any moment leaves a complete checkpoint: the new folder is written beside the old one and
-       swapped in with renames (see save_atomic). The swap itself is two renames, so load also looks at the
-       `.old` folder that a kill between them leaves.
+    2. A kill at any moment leaves a complete checkpoint: the new folder is written beside the old
+       one and swapped in with renames (see save_atomic). The swap itself is two renames, so load
+       also looks at the `.old` folder that a kill between them leaves.
     3. Under FSDP the optimizer state is sharded, and resume is not supported yet: it is not saved.
 """
 
@@ -29,8 +30,9 @@ from model import load_adapter, save_adapter
 
 
 def save_atomic(path, write):
-    """Write a folder with write(tmp_dir), then swap it in with renames. A kill at any point leaves either the
-    old complete folder at `path`, or (between the two renames) the old one at `path.old`, which load looks at."""
+    """Write a folder with write(tmp_dir), then swap it in with renames. A kill at any point leaves
+    either the old complete folder at `path`, or (between the two renames) the old one at
+    `path.old`, which load looks at."""
     tmp = f"{path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -46,9 +48,11 @@ def save_atomic(path, write):
 
 
 def save_checkpoint(cfg, model, tok, opt, sampler, step, history, extra):
-    """out_dir/ckpt. `extra` maps a name to an object with state_dict() (or None): the run's other state."""
-    state = {"step": step, "opt": None if cfg.fsdp else opt.state_dict(), "sampler": sampler.state_dict(),
-             "history": history, **{k: None if v is None else v.state_dict() for k, v in extra.items()},
+    """out_dir/ckpt. `extra` maps a name to an object with state_dict() (or None): the run's other
+    state."""
+    state = {"step": step, "opt": None if cfg.fsdp else opt.state_dict(),
+             "sampler": sampler.state_dict(), "history": history,
+             **{k: None if v is None else v.state_dict() for k, v in extra.items()},
              "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
 
     def write(d):
@@ -62,14 +66,15 @@ def save_checkpoint(cfg, model, tok, opt, sampler, step, history, extra):
 
 
 def load_checkpoint(cfg, model, opt, sampler, dev, extra):
-    """Restore what save_checkpoint wrote (into `extra`'s objects too, where both sides have them). Returns
-    (the step to continue from, the history)."""
+    """Restore what save_checkpoint wrote (into `extra`'s objects too, where both sides have them).
+    Returns (the step to continue from, the history)."""
     for path in (os.path.join(cfg.out_dir, "ckpt"), os.path.join(cfg.out_dir, "ckpt.old")):
         if os.path.exists(os.path.join(path, "trainer_state.pt")):
             break
     else:
         raise FileNotFoundError(f"resume=True but there is no checkpoint in {cfg.out_dir}/ckpt")
-    if cfg.lora_r:  # model.safetensors holds the merged weights (for other engines); resume from the adapter
+    if cfg.lora_r:
+        # model.safetensors holds the merged weights (for other engines); resume from the adapter
         load_adapter(model, path)
     else:
         sd = load_file(os.path.join(path, "model.safetensors"), device=str(dev))
@@ -77,7 +82,8 @@ def load_checkpoint(cfg, model, opt, sampler, dev, extra):
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location=dev, weights_only=False)
     opt.load_state_dict(state["opt"])
     sampler.load_state_dict(state["sampler"])
-    for k, obj in extra.items():  # the KV table as the controller left it, the rollout-only adapter, ...
+    for k, obj in extra.items():
+        # the KV table as the controller left it, the rollout-only adapter, ...
         if state.get(k) and obj is not None:
             obj.load_state_dict(state[k])
     torch.set_rng_state(state["torch_rng"].cpu())

@@ -1,38 +1,46 @@
 """
-model.py: a compact Qwen3-family decoder (dense and MoE) shared by the trainer and the rollout engine.
+model.py: a compact Qwen3-family decoder (dense and MoE) shared by the trainer and the
+rollout engine.
 
 What it is:
-    RMSNorm, rotary position embeddings, grouped-query attention with per-head q/k RMSNorm, a SwiGLU MLP,
-    and the Qwen3-MoE block (softmax router, top-k experts, optional renormalisation of the top-k weights).
-    Parameter names mirror Hugging Face's, so a checkpoint maps one to one onto `state_dict()`.
+    RMSNorm, rotary position embeddings, grouped-query attention with per-head q/k RMSNorm, a SwiGLU
+    MLP, and the Qwen3-MoE block (softmax router, top-k experts, optional renormalisation of the
+    top-k weights). Parameter names mirror Hugging Face's, so a checkpoint maps one to one onto
+    `state_dict()`.
 
-    model = Transformer.from_pretrained("Qwen/Qwen3-0.6B")      # hub name (online) or a local folder
-    logits = model(idx)                                         # (B, T, V) training forward, right padding ok
-    model.save_pretrained("out/ckpt")                           # config.json + model.safetensors, loads in transformers
+    model = Transformer.from_pretrained("Qwen/Qwen3-0.6B")  # hub name (online) or a local folder
+    logits = model(idx)                 # (B, T, V) training forward, right padding ok
+    model.save_pretrained("out/ckpt")   # config.json + model.safetensors, loads in transformers
 
 Where the attention happens:
-    `Attention.forward` computes q, k, v and then makes exactly one call: SDPA (training), flash-attn varlen
-    (packed training on a GPU), or `cache.attend(layer, q, k, v)` when a KV cache is passed. The rollout engine
-    owns the cache object, so it decides there whether a decode step reads every KV page or a sparse subset.
+    `Attention.forward` computes q, k, v and then makes exactly one call: SDPA (training),
+    flash-attn varlen (packed training on a GPU), or `cache.attend(layer, q, k, v)` when a KV cache
+    is passed. The rollout engine owns the cache object, so it decides there whether a decode step
+    reads every KV page or a sparse subset.
 
 LoRA (stage 4, sparse updates):
-    add_lora(model, r=8, alpha=16)      # q,k,v,o,gate,up,down (MoE experts too; never lm_head, not the router);
-                                        # every other parameter is frozen
-    save_adapter(model, "out/adapter", "Qwen/Qwen3-0.6B")   # PEFT's files: PeftModel.from_pretrained loads them
-    load_adapter(model, "out/adapter")  # add_lora with the folder's config, then its tensors (ours or PEFT's)
+    add_lora(model, r=8, alpha=16)      # q,k,v,o,gate,up,down (MoE experts too; never lm_head,
+                                        # not the router); every other parameter is frozen
+    save_adapter(model, "out/adapter", "Qwen/Qwen3-0.6B")  # PEFT's files:
+                                        # PeftModel.from_pretrained loads them
+    load_adapter(model, "out/adapter")  # add_lora with the folder's config, then its tensors
+                                        # (ours or PEFT's)
     merge_lora(model)                   # folds W + alpha/r * B @ A in place: plain Linears again
-    `state_dict()` keeps PEFT's names (q_proj.base_layer.weight, q_proj.lora_A.weight), which sync.py's adapter mode
-    ships. `save_pretrained` folds the enabled adapters into a copy, so a LoRA model's checkpoint is a plain one that
-    transformers loads. `LoRALinear.enabled = False` (or `set_lora_enabled(model, False)`) gives the base output
-    exactly. MoE experts keep one adapter per expert linear, under per-expert names; PEFT folds them onto
-    transformers' fused expert tensors when it loads the adapter (tested with peft 0.21, transformers 5).
+    `state_dict()` keeps PEFT's names (q_proj.base_layer.weight, q_proj.lora_A.weight), which
+    sync.py's adapter mode ships. `save_pretrained` folds the enabled adapters into a copy, so a
+    LoRA model's checkpoint is a plain one that transformers loads. `LoRALinear.enabled = False` (or
+    `set_lora_enabled(model, False)`) gives the base output exactly. MoE experts keep one adapter
+    per expert linear, under per-expert names; PEFT folds them onto transformers' fused expert
+    tensors when it loads the adapter (tested with peft 0.21, transformers 5).
 
 Simplifications:
-    1. No sliding-window attention, no rope scaling variants (Qwen3's dense and MoE checkpoints use neither).
-    2. MoE experts run as a loop over the experts that received tokens, like the reference implementation;
-       good enough for small expert counts, not a grouped-GEMM kernel.
+    1. No sliding-window attention, no rope scaling variants (Qwen3's dense and MoE checkpoints use
+       neither).
+    2. MoE experts run as a loop over the experts that received tokens, like the reference
+       implementation; good enough for small expert counts, not a grouped-GEMM kernel.
     3. No dropout (RL fine-tuning runs without it), except LoRA's optional input dropout.
-    4. LoRA: one adapter per model, one rank and alpha for every target; no DoRA, no rsLoRA, no embedding adapters.
+    4. LoRA: one adapter per model, one rank and alpha for every target; no DoRA, no rsLoRA, no
+       embedding adapters.
 """
 
 import json
@@ -79,11 +87,13 @@ class ModelConfig:
     def from_hf(cls, d):
         """Read a transformers config.json dict (Qwen3 or Qwen3-MoE, old and new key spellings)."""
         if d.get("model_type") not in ("qwen3", "qwen3_moe"):
-            raise ValueError(f"model_type {d.get('model_type')!r} is not supported: zeros implements qwen3 and qwen3_moe")
+            raise ValueError(f"model_type {d.get('model_type')!r} is not supported: zeros "
+                             f"implements qwen3 and qwen3_moe")
         d = dict(d)
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+            raise ValueError(f"rope_type {rope.get('rope_type')!r} is not supported (only "
+                             f"'default')")
         d.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
         if "num_experts" not in d and "num_local_experts" in d:
             d["num_experts"] = d["num_local_experts"]
@@ -98,17 +108,18 @@ class ModelConfig:
         moe = self.num_experts > 0
         d = {k: getattr(self, k) for k in (f.name for f in fields(self))}
         if not moe:
-            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                      "decoder_sparse_step", "mlp_only_layers"):
+            for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                      "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
                 d.pop(k)
         d.update(model_type="qwen3_moe" if moe else "qwen3",
                  architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-                 hidden_act="silu", torch_dtype="float32", use_sliding_window=False, sliding_window=None,
-                 rope_scaling=None)
+                 hidden_act="silu", torch_dtype="float32", use_sliding_window=False,
+                 sliding_window=None, rope_scaling=None)
         return d
 
     def is_moe_layer(self, i):
-        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
 
 class RMSNorm(nn.Module):
@@ -126,21 +137,22 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(pos, head_dim, theta, dtype):
     """pos: (B, T) integer positions -> cos, sin: (B, 1, T, head_dim)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device,
+                                             dtype=torch.float32) / head_dim))
     freqs = pos.float()[..., None] * inv_freq  # (B, T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)  # HF's rotate_half: dim i pairs with i + D/2, not with i + 1
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def packed_causal_mask(cu_seqlens, total, device):
     """Block-diagonal causal mask for sequences packed back to back: (1, 1, total, total) bool."""
     seg = torch.zeros(total, dtype=torch.long, device=device)
-    seg[cu_seqlens[1:-1].long()] = 1
+    seg[cu_seqlens[1:-1].long()] = 1  # a 1 where each sequence but the first starts
     seg = seg.cumsum(0)  # segment id of every packed token
     causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
     return (causal & (seg[:, None] == seg[None, :]))[None, None]
@@ -161,23 +173,29 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache=None, cu_seqlens=None, max_seqlen=None):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)  # (B, Hkv, T, D)
+        # (B, Hq, T, D) and (B, Hkv, T, D); Qwen3 RMS-normalises each head's q and k before RoPE
+        q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # --- the one attention call: the engine's cache (dense or block-sparse), packed, or plain causal ---
+        # --- the one attention call: the engine's cache
+        # (dense or block-sparse), packed, or plain causal ---
         if cache is not None:
             y = cache.attend(self.layer_idx, q, k, v)  # (B, Hq, T, D)
         elif cu_seqlens is not None and flash_attn_varlen_func is not None and x.is_cuda:
-            y = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                       cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+            # packed rows come as B = 1; varlen wants (total, H, D) and the sequence boundaries
+            y = flash_attn_varlen_func(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                       v[0].transpose(0, 1), cu_seqlens, cu_seqlens, max_seqlen,
+                                       max_seqlen, causal=True)
             y = y.transpose(0, 1)[None]  # (1, Hq, total, D)
-        elif cu_seqlens is not None:  # the same packing on SDPA, with a block-diagonal mask (reference path)
+        elif cu_seqlens is not None:
+            # the same packing on SDPA, with a block-diagonal mask (reference path)
             mask = packed_causal_mask(cu_seqlens, T, x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        else:  # right padding is safe under a causal mask: real tokens never see the pads after them
+        else:
+            # right padding is safe under a causal mask: real tokens never see the pads after them
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # heads -> channels
 
 
 class MLP(nn.Module):
@@ -194,14 +212,16 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Softmax router over all experts, keep the top-k, optionally renormalise them to sum to one.
 
-    `self.last_experts` holds the (tokens, k) expert ids of the last forward, for router replay (R3):
-    set `self.replay` to such a tensor and the next forward routes through those experts instead."""
+    `self.last_experts` holds the (tokens, k) expert ids of the last forward, for router replay
+    (R3): set `self.replay` to such a tensor and the next forward routes through those experts
+    instead."""
 
     def __init__(self, cfg):
         super().__init__()
         self.k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.num_experts))
         self.last_experts, self.replay = None, None
 
     def forward(self, x):
@@ -210,7 +230,7 @@ class MoE(nn.Module):
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
         if self.replay is not None:
             idx = self.replay.to(x.device)
-            w = probs.gather(-1, idx)
+            w = probs.gather(-1, idx)  # the recorded experts, weighted by this forward's router
         else:
             w, idx = probs.topk(self.k, dim=-1)  # (N, k)
         if self.norm_topk:
@@ -219,8 +239,8 @@ class MoE(nn.Module):
         self.last_experts = idx.detach()
         out = torch.zeros_like(x)
         for e in idx.unique().tolist():  # CPU-GPU sync point; fine at reference scale
-            tok, slot = torch.where(idx == e)
-            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])
+            tok, slot = torch.where(idx == e)  # the tokens routed to e, and which of their k picks
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])  # sum over k
         return out.view(B, T, C)
 
 
@@ -262,11 +282,13 @@ class Transformer(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, idx, pos=None, cache=None, cu_seqlens=None, max_seqlen=None, hidden=False):
-        """idx (B, T) -> logits (B, T, V) in fp32; `pos` (B, T) defaults to 0..T-1 (or what the cache says).
-        With `hidden=True` the final hidden states (B, T, C) are returned instead (the loss projects in chunks)."""
+        """idx (B, T) -> logits (B, T, V) in fp32; `pos` (B, T) defaults to 0..T-1 (or what the
+        cache says). With `hidden=True` the final hidden states (B, T, C) are returned instead (the
+        loss projects in chunks)."""
         B, T = idx.shape
         if pos is None:
-            pos = cache.positions(T) if cache is not None else torch.arange(T, device=idx.device).expand(B, T)
+            pos = (cache.positions(T) if cache is not None
+                   else torch.arange(T, device=idx.device).expand(B, T))
         x = self.model.embed_tokens(idx)
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
         for block in self.model.layers:
@@ -276,7 +298,7 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         return x if hidden else self.lm_head(x).float()
 
-    # ----------------------------------------------------------------------------- Hugging Face in and out
+    # ---------------------------------------------------------------------- Hugging Face in and out
 
     @classmethod
     def from_pretrained(cls, name_or_path, dtype=torch.float32, device="cpu"):
@@ -285,7 +307,8 @@ class Transformer(nn.Module):
         path = name_or_path
         if not os.path.isdir(path):
             from huggingface_hub import snapshot_download
-            path = snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt"])
+            path = snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors",
+                                                                   "tokenizer*", "*.txt"])
         with open(os.path.join(path, "config.json")) as f:
             cfg = ModelConfig.from_hf(json.load(f))
         index = os.path.join(path, "model.safetensors.index.json")
@@ -311,11 +334,13 @@ class Transformer(nn.Module):
         return model.to(dtype)
 
     def save_pretrained(self, out_dir):
-        """Write config.json and model.safetensors that transformers' AutoModelForCausalLM loads. Enabled LoRA
-        adapters are folded into a copy of the weights (disabled ones are left out): the file holds what forward computes."""
+        """Write config.json and model.safetensors that transformers' AutoModelForCausalLM loads.
+        Enabled LoRA adapters are folded into a copy of the weights (disabled ones are left out):
+        the file holds what forward computes."""
         from safetensors.torch import save_file
         os.makedirs(out_dir, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in merged_state_dict(self).items()}  # LoRA folded in
+        # LoRA folded in
+        sd = {k: v.detach().contiguous().cpu() for k, v in merged_state_dict(self).items()}
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         hf = self.config.to_hf()
@@ -329,8 +354,8 @@ class Transformer(nn.Module):
 
 
 def weight_checksum(model):
-    """A cheap fingerprint of every parameter's bytes: equal on two ranks iff they hold the same weights
-    (up to hash collisions). Used by the DDP test and, later, by weight sync."""
+    """A cheap fingerprint of every parameter's bytes: equal on two ranks iff they hold the same
+    weights (up to hash collisions). Used by the DDP test and, later, by weight sync."""
     import hashlib
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
@@ -339,36 +364,44 @@ def weight_checksum(model):
     return h.hexdigest()[:16]
 
 
-# ----------------------------------------------------------------------------- LoRA (stage 4: sparse updates)
+# ------------------------------------------------------------------- LoRA (stage 4: sparse updates)
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # all but lm_head, router
+# all but lm_head, router
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoRALinear(nn.Module):
-    """y = base(x) + B(A(dropout(x))) * alpha / r with the base frozen. The submodule names are PEFT's, so the
-    state_dict keys (base_layer.weight, lora_A.weight (r, in), lora_B.weight (out, r)) are what PEFT and sync.py use."""
+    """y = base(x) + B(A(dropout(x))) * alpha / r with the base frozen. The submodule names are
+    PEFT's, so the state_dict keys (base_layer.weight, lora_A.weight (r, in), lora_B.weight
+    (out, r)) are what PEFT and sync.py use."""
 
     def __init__(self, base: nn.Linear, r, alpha, dropout=0.0):
         super().__init__()
-        self.base_layer, self.r, self.alpha, self.scaling, self.enabled = base, r, alpha, alpha / r, True
+        self.base_layer, self.r, self.alpha = base, r, alpha
+        self.scaling, self.enabled = alpha / r, True
         kw = dict(bias=False, device=base.weight.device, dtype=base.weight.dtype)
         self.lora_A = nn.Linear(base.in_features, r, **kw)
         self.lora_B = nn.Linear(r, base.out_features, **kw)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init: A random, B zero, so the
-        nn.init.zeros_(self.lora_B.weight)                            # adapted model starts as the base model
+        # PEFT's init: A random, B zero, so the adapted model starts as the base model
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x):
         y = self.base_layer(x)
-        if not self.enabled:  # exactly the base output: the dense policy can ignore a rollout-only adapter
+        if not self.enabled:
+            # exactly the base output: the dense policy can ignore a rollout-only adapter
             return y
-        x = self.lora_dropout(x.to(self.lora_A.weight.dtype))  # adapter weights may be kept in fp32 over a bf16 base
+        # adapter weights may be kept in fp32 over a bf16 base
+        x = self.lora_dropout(x.to(self.lora_A.weight.dtype))
         return y + (self.lora_B(self.lora_A(x)) * self.scaling).to(y.dtype)
 
     def merged_weight(self):
-        """W + scaling * B @ A in fp32, rounded once to W's dtype: the same bits as sync.merge_lora."""
+        """W + scaling * B @ A in fp32, rounded once to W's dtype: the same bits as
+        sync.merge_lora."""
         W = self.base_layer.weight
-        return (W.float() + (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling).to(W.dtype)
+        return (W.float() + (self.lora_B.weight.float() @ self.lora_A.weight.float())
+                * self.scaling).to(W.dtype)
 
     def extra_repr(self):
         return f"r={self.r}, alpha={self.alpha}, enabled={self.enabled}"
@@ -384,9 +417,9 @@ def _swap(model, name, new):
 
 
 def add_lora(model, r=8, alpha=16, dropout=0.0, targets=LORA_TARGETS):
-    """Wrap, in place, every nn.Linear whose name is a target or ends in "." + target (PEFT's rule) in a LoRALinear,
-    freeze every other parameter, and return the model. lm_head stays a plain Linear: the trainer and the rollout
-    engine read lm_head.weight and call it on hidden states."""
+    """Wrap, in place, every nn.Linear whose name is a target or ends in "." + target (PEFT's rule)
+    in a LoRALinear, freeze every other parameter, and return the model. lm_head stays a plain
+    Linear: the trainer and the rollout engine read lm_head.weight and call it on hidden states."""
     if not (isinstance(r, int) and r >= 1):
         raise ValueError(f"add_lora: r must be an int >= 1, got {r!r}")
     if lora_modules(model):
@@ -398,9 +431,11 @@ def add_lora(model, r=8, alpha=16, dropout=0.0, targets=LORA_TARGETS):
         if t is None:
             continue
         if m is getattr(model, "lm_head", None):
-            raise ValueError(f"add_lora: target {t!r} matches lm_head, which must stay a plain nn.Linear")
+            raise ValueError(f"add_lora: target {t!r} matches lm_head, which must stay a plain "
+                             f"nn.Linear")
         if type(m) is not nn.Linear:
-            raise TypeError(f"add_lora: target {t!r} matches {name!r}, a {type(m).__name__}, not an nn.Linear")
+            raise TypeError(f"add_lora: target {t!r} matches {name!r}, a {type(m).__name__}, not "
+                            f"an nn.Linear")
         hits[t].append(name)
     missing = [t for t, names in hits.items() if not names]
     if missing:
@@ -408,7 +443,8 @@ def add_lora(model, r=8, alpha=16, dropout=0.0, targets=LORA_TARGETS):
     model.requires_grad_(False)
     for name in (n for names in hits.values() for n in names):
         _swap(model, name, LoRALinear(model.get_submodule(name), r, alpha, dropout))
-    model.lora_config = dict(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)  # for save_adapter
+    # for save_adapter
+    model.lora_config = dict(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
     return model
 
 
@@ -425,20 +461,24 @@ def lora_state_dict(model):
 
 @torch.no_grad()
 def merged_state_dict(model):
-    """state_dict() under the plain names, with the enabled adapters folded in (disabled ones left out)."""
-    sd = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    """state_dict() under the plain names, with the enabled adapters folded in (disabled ones left
+    out)."""
+    sd = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()
+          if ".lora_" not in k}
     sd.update({n + ".weight": m.merged_weight() for n, m in lora_modules(model) if m.enabled})
     return sd
 
 
 @torch.no_grad()
 def merge_lora(model):
-    """Fold every adapter into its base weight and put the plain nn.Linear back, in place; returns the model.
-    requires_grad flags stay as add_lora left them."""
+    """Fold every adapter into its base weight and put the plain nn.Linear back, in place; returns
+    the model. requires_grad flags stay as add_lora left them."""
     mods = lora_modules(model)
     off = [n for n, m in mods if not m.enabled]
-    if off:  # folding would change the output, dropping would lose the adapter: make the caller choose
-        raise ValueError(f"merge_lora: the adapter on {off[0]!r} (and {len(off) - 1} more) is disabled; enable it")
+    if off:
+        # folding would change the output, dropping would lose the adapter: make the caller choose
+        raise ValueError(f"merge_lora: the adapter on {off[0]!r} (and {len(off) - 1} more) is "
+                         f"disabled; enable it")
     for name, m in mods:
         m.base_layer.weight.copy_(m.merged_weight())
         _swap(model, name, m.base_layer)
@@ -447,15 +487,17 @@ def merge_lora(model):
 
 
 def save_adapter(model, out_dir, base_model_name_or_path):
-    """adapter_config.json + adapter_model.safetensors, the files peft.PeftModel.from_pretrained(hf_model, out_dir)
-    loads onto the transformers model of the same checkpoint."""
+    """adapter_config.json + adapter_model.safetensors, the files
+    peft.PeftModel.from_pretrained(hf_model, out_dir) loads onto the transformers model of the same
+    checkpoint."""
     from safetensors.torch import save_file
     if not lora_modules(model) or not hasattr(model, "lora_config"):
         raise ValueError("save_adapter: the model has no LoRA adapters (call add_lora first)")
-    cfg = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
-               **model.lora_config, bias="none", fan_in_fan_out=False, inference_mode=True, init_lora_weights=True,
-               use_rslora=False, use_dora=False, modules_to_save=None, layers_to_transform=None,
-               layers_pattern=None, rank_pattern={}, alpha_pattern={}, revision=None)
+    cfg = dict(peft_type="LORA", task_type="CAUSAL_LM",
+               base_model_name_or_path=base_model_name_or_path, **model.lora_config, bias="none",
+               fan_in_fan_out=False, inference_mode=True, init_lora_weights=True, use_rslora=False,
+               use_dora=False, modules_to_save=None, layers_to_transform=None, layers_pattern=None,
+               rank_pattern={}, alpha_pattern={}, revision=None)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
@@ -465,21 +507,25 @@ def save_adapter(model, out_dir, base_model_name_or_path):
 
 @torch.no_grad()
 def load_adapter(model, adapter_dir):
-    """add_lora with an adapter folder's config (unless the model has adapters already, e.g. on resume), then
-    its tensors (ours or PEFT's); returns the model."""
+    """add_lora with an adapter folder's config (unless the model has adapters already, e.g. on
+    resume), then its tensors (ours or PEFT's); returns the model."""
     from safetensors.torch import load_file
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         cfg = json.load(f)
     odd = {k: cfg.get(k) for k in ("use_dora", "use_rslora", "fan_in_fan_out") if cfg.get(k)}
     if cfg.get("peft_type") != "LORA" or odd or not isinstance(cfg.get("target_modules"), list):
-        raise ValueError(f"adapter {adapter_dir}: only plain LoRA with a target_modules list is supported "
-                         f"(peft_type {cfg.get('peft_type')!r}, target_modules {cfg.get('target_modules')!r}, {odd})")
+        raise ValueError(f"adapter {adapter_dir}: only plain LoRA with a target_modules list is "
+                         f"supported (peft_type {cfg.get('peft_type')!r}, target_modules "
+                         f"{cfg.get('target_modules')!r}, {odd})")
     if not lora_modules(model):
-        add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"])
-    own, sd = lora_state_dict(model), load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+        add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0),
+                 cfg["target_modules"])
+    own, sd = (lora_state_dict(model),
+               load_file(os.path.join(adapter_dir, "adapter_model.safetensors")))
     if set(own) != set(sd):
-        raise ValueError(f"adapter {adapter_dir} does not match the model: missing {sorted(set(own) - set(sd))[:3]}, "
-                         f"unexpected {sorted(set(sd) - set(own))[:3]}")
+        raise ValueError(f"adapter {adapter_dir} does not match the model: missing "
+                         f"{sorted(set(own) - set(sd))[:3]}, unexpected "
+                         f"{sorted(set(sd) - set(own))[:3]}")
     for k, v in own.items():
         v.copy_(sd[k])
     return model

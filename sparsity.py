@@ -1,46 +1,59 @@
 """
-sparsity.py: sparsity primitives that several stages share. This first part is the KV-page selection that
-the rollout engine's block-sparse decode uses (Sparrow's "block top-k", with Quest's bound as an option).
+sparsity.py: sparsity primitives that several stages share. This first part is the KV-page selection
+that the rollout engine's block-sparse decode uses (Sparrow's "block top-k", with Quest's bound as
+an option).
 
     from sparsity import fraction_budget
-    engine = Engine(model, tok, sparse=fraction_budget(1 / 8), scorer="centroid", keep_recent=2, dense_layers=2)
+    engine = Engine(model, tok, sparse=fraction_budget(1 / 8), scorer="centroid", keep_recent=2,
+                    dense_layers=2)
 
 How a decode step picks the KV pages it reads, per sequence and per KV head:
-    1. Every full page carries metadata, written once when the page fills: its mean key, and for Quest its
-       elementwise min and max keys.
-    2. A scorer rates each page against the step's query: `centroid_scores` (the query averaged over its
-       GQA group, dotted with the mean key) or `quest_scores` (Quest's upper bound on q . k over the page).
-    3. A budget function says how many pages to read from how many are cached: `budget(n_pages) -> int`.
-       `fixed_budget`, `fraction_budget`, `dense_budget`, the per-bin `table_budget` and
-       calibrate.Schedule all fit.
-    4. `select_pages` keeps the first `keep_first` pages (attention sinks), the last `keep_recent` pages and
-       the partial last page, then fills the rest of the budget with the best-scored pages. Its output is
-       what `kernels.block_sparse_decode.decode_attention` takes: LOGICAL page ids, padded, and a count.
+    1. Every full page carries metadata, written once when the page fills: its mean key, and for
+       Quest its elementwise min and max keys.
+    2. A scorer rates each page against the step's query: `centroid_scores` (the query averaged over
+       its GQA group, dotted with the mean key) or `quest_scores` (Quest's upper bound on q . k over
+       the page).
+    3. A budget function says how many pages to read from how many are cached:
+       `budget(n_pages) -> int`. `fixed_budget`, `fraction_budget`, `dense_budget`, the per-bin
+       `table_budget` and calibrate.Schedule all fit.
+    4. `select_pages` keeps the first `keep_first` pages (attention sinks), the last `keep_recent`
+       pages and the partial last page, then fills the rest of the budget with the best-scored
+       pages. Its output is what `kernels.block_sparse_decode.decode_attention` takes: LOGICAL page
+       ids, padded, and a count.
 
 Simplifications:
-    1. The budget counts every page read, the always-kept ones included; a budget below the kept count
-       reads just the kept pages, one above the cached count reads everything. (Sparrow's published
-       table, 29, 61, 93, ..., looks like it counts the top-k pages alone: add the kept pages to use it.)
-    2. The budget is per sequence (a function of its own length), shared by all its KV heads and sparse
-       layers; which pages fill it differs per KV head.
-    3. Quest with GQA: the bound is taken per query head and the group keeps the max, since a page is read
-       for the whole group and matters if it matters to any one of its heads.
+    1. The budget counts every page read, the always-kept ones included; a budget below the kept
+       count reads just the kept pages, one above the cached count reads everything. (Sparrow's
+       published table, 29, 61, 93, ..., looks like it counts the top-k pages alone: add the kept
+       pages to use it.)
+    2. The budget is per sequence (a function of its own length), shared by all its KV heads and
+       sparse layers; which pages fill it differs per KV head.
+    3. Quest with GQA: the bound is taken per query head and the group keeps the max, since a page
+       is read for the whole group and matters if it matters to any one of its heads.
     4. Scores are fp32 and unscaled (1/sqrt(D) does not change a ranking).
 
-The sparse-to-dense mismatch (Sparrow): alpha, the acceptance rate of speculative decoding, per sampled token.
+The sparse-to-dense mismatch (Sparrow): alpha, the acceptance rate of speculative decoding, per
+sampled token.
     alpha_exact(p_logp, q_logp)           sum_v min(p, q) = 1 - TV over two full distributions
-    alpha_topk(ro.topk_logp, ro.topk_ids, dense_logp)   a lower bound from what was kept of each side
-    alpha_sample(dense_logp, ro.logp)     min(1, p_dense(y) / p_sparse(y)): same expectation, one per token
-    bin_stats(alpha, ro.mask, ro.budget_dense, schedule.bin_pages)   count, mean, p5 per bin of cached length
-    dense_logprobs(model, prompt_ids, ro)  the dense side: sampled tokens' log-probs from a plain full forward
-Collapse shows in the tail, not the mean: Sparrow keeps the 5th percentile per 2,048-token bin above 0.86.
-The budget schedule that holds that tail, its calibration sweep and its online controller are calibrate.py's.
+    alpha_topk(ro.topk_logp, ro.topk_ids, dense_logp)
+                                          a lower bound from what was kept of each side
+    alpha_sample(dense_logp, ro.logp)     min(1, p_dense(y) / p_sparse(y)): same expectation, one
+                                          per token
+    bin_stats(alpha, ro.mask, ro.budget_dense, schedule.bin_pages)
+                                          count, mean, p5 per bin of cached length
+    dense_logprobs(model, prompt_ids, ro) the dense side: sampled tokens' log-probs from a plain
+                                          full forward
+Collapse shows in the tail, not the mean: Sparrow keeps the 5th percentile per 2,048-token bin above
+0.86. The budget schedule that holds that tail, its calibration sweep and its online controller are
+calibrate.py's.
 
-N:M weight masks (the last section): `nm_mask(w, n, m)` keeps the n largest |w| of every m consecutive inputs in each
-output row (Wanda's |W| * ||X|| scores can be passed instead), and `apply_nm(model, 2, 4)` prunes every Linear of a
-model in place, the head and the MoE router excepted. copies.make_rollout_copy("nm2:4") builds the pruned rollout copy.
-Simplification: magnitude masks recomputed from the current weights, no calibration and no learned masks (RoI,
-MaskLLM); masked dense, so a 2:4 kernel (`to_sparse_semi_structured`) is what would turn the zeros into speed.
+N:M weight masks (the last section): `nm_mask(w, n, m)` keeps the n largest |w| of every m
+consecutive inputs in each output row (Wanda's |W| * ||X|| scores can be passed instead), and
+`apply_nm(model, 2, 4)` prunes every Linear of a model in place, the head and the MoE router
+excepted. copies.make_rollout_copy("nm2:4") builds the pruned rollout copy.
+Simplification: magnitude masks recomputed from the current weights, no calibration and no learned
+masks (RoI, MaskLLM); masked dense, so a 2:4 kernel (`to_sparse_semi_structured`) is what would turn
+the zeros into speed.
 
 Tests: `python -m pytest tests/test_sparsity.py tests/test_mismatch.py tests/test_copies.py`.
 """
@@ -50,7 +63,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-# ----------------------------------------------------------------------------- budgets: pages to read
+# --------------------------------------------------------------------------- budgets: pages to read
 
 
 def fixed_budget(pages):
@@ -73,10 +86,11 @@ def dense_budget(n_pages):
 
 
 def table_budget(table, bin_pages):
-    """A schedule: table[i] pages for cached lengths in bin i (bins of `bin_pages` pages), and the last
-    entry beyond the table. Sparrow's tables use bins of 2,000 tokens (125 pages of 16)."""
+    """A schedule: table[i] pages for cached lengths in bin i (bins of `bin_pages` pages), and the
+    last entry beyond the table. Sparrow's tables use bins of 2,000 tokens (125 pages of 16)."""
     if not table or bin_pages < 1:
-        raise ValueError(f"table_budget wants a non-empty table and bin_pages >= 1, got {table}, {bin_pages}")
+        raise ValueError(f"table_budget wants a non-empty table and bin_pages >= 1, got {table}, "
+                         f"{bin_pages}")
     table = [int(x) for x in table]
     return lambda n_pages: table[bin_index(n_pages, bin_pages, len(table))]
 
@@ -87,14 +101,17 @@ def bin_index(n_pages, bin_pages, n_bins):
 
 
 def kept_count(n_pages, n_full, keep_first, keep_recent):
-    """How many pages a sequence always reads: the first ones, the recent ones and the partial last page.
-    The two ranges start at opposite ends, so their union is their summed size capped at n_pages."""
-    recent = max(keep_recent, n_pages - n_full)  # n_pages - n_full is 1 when the last page is partial
+    """How many pages a sequence always reads: the first ones, the recent ones and the partial last
+    page. The two ranges start at opposite ends, so their union is their summed size capped at
+    n_pages."""
+    # n_pages - n_full is 1 when the last page is partial
+    recent = max(keep_recent, n_pages - n_full)
     return min(n_pages, min(keep_first, n_pages) + recent)
 
 
 def pages_to_read(budget, n_pages, n_full, keep_first, keep_recent):
-    """The budget of one sequence, clamped to [pages always kept, pages cached]. Python ints, no device."""
+    """The budget of one sequence, clamped to [pages always kept, pages cached]. Python ints, no
+    device."""
     want = int(budget(n_pages))
     return min(n_pages, max(want, kept_count(n_pages, n_full, keep_first, keep_recent)))
 
@@ -103,18 +120,18 @@ def pages_to_read(budget, n_pages, n_full, keep_first, keep_recent):
 
 
 def centroid_scores(q, kmean):
-    """Sparrow's block score. q (B, H_q, D) decode queries, kmean (B, P, H_kv, D) mean key of each logical page
-    -> (B, H_kv, P): the GQA group's mean query dotted with the page's mean key."""
+    """Sparrow's block score. q (B, H_q, D) decode queries, kmean (B, P, H_kv, D) mean key of each
+    logical page -> (B, H_kv, P): the GQA group's mean query dotted with the page's mean key."""
     B, H_q, D = q.shape
     H_kv = kmean.shape[2]
     qg = q.float().view(B, H_kv, H_q // H_kv, D).mean(2)  # (B, H_kv, D)
-    return torch.einsum("bhd,bphd->bhp", qg, kmean.float())
+    return torch.einsum("bhd,bphd->bhp", qg, kmean.float())  # (B, H_kv, P)
 
 
 def quest_scores(q, kmin, kmax):
     """Quest's bound. q (B, H_q, D), kmin/kmax (B, P, H_kv, D) elementwise key extremes of each page
-    -> (B, H_kv, P): sum_i max(q_i * min_i, q_i * max_i), an upper bound on q . k for any key k in the page,
-    per query head, then the max over the GQA group (simplification 3)."""
+    -> (B, H_kv, P): sum_i max(q_i * min_i, q_i * max_i), an upper bound on q . k for any key k in
+    the page, per query head, then the max over the GQA group (simplification 3)."""
     B, H_q, D = q.shape
     H_kv = kmin.shape[2]
     qg = q.float().view(B, H_kv, H_q // H_kv, 1, D)  # (B, H_kv, G, 1, D)
@@ -125,23 +142,28 @@ def quest_scores(q, kmin, kmax):
 
 
 def oracle_scores(q, kpages, seq_lens):
-    """The yardstick scorer: the attention mass each page really gets. q (B, H_q, D) decode queries, kpages
-    (B, P, page_size, H_kv, D) the keys of each logical page, seq_lens (B,) tokens cached -> (B, H_kv, P):
-    softmax(q . k / sqrt(D)) over the row's cached tokens, summed per page, the max over the GQA group. It reads
-    every key, as dense attention does, so it saves nothing; calibrating with it (kv_scorer="oracle") tells a
-    weak scorer apart from a task whose attention tail is spread over many pages."""
+    """The yardstick scorer: the attention mass each page really gets. q (B, H_q, D) decode queries,
+    kpages (B, P, page_size, H_kv, D) the keys of each logical page, seq_lens (B,) tokens cached ->
+    (B, H_kv, P): softmax(q . k / sqrt(D)) over the row's cached tokens, summed per page, the max
+    over the GQA group. It reads every key, as dense attention does, so it saves nothing;
+    calibrating with it (kv_scorer="oracle") tells a weak scorer apart from a task whose attention
+    tail is spread over many pages."""
     B, H_q, D = q.shape
     _, P, ps, H_kv, _ = kpages.shape
     qg = q.float().view(B, H_kv, H_q // H_kv, D)
-    logits = torch.einsum("bhgd,bpthd->bhgpt", qg, kpages.float()) * D ** -0.5  # (B, H_kv, G, P, ps)
-    ok = torch.arange(P * ps, device=q.device).view(P, ps) < seq_lens.to(q.device).long()[:, None, None]
+    # (B, H_kv, G, P, ps)
+    logits = torch.einsum("bhgd,bpthd->bhgpt", qg, kpages.float()) * D ** -0.5
+    ok = (torch.arange(P * ps, device=q.device).view(P, ps)
+          < seq_lens.to(q.device).long()[:, None, None])  # (B, P, ps): slots holding a cached token
     logits = logits.masked_fill(~ok[:, None, None], float("-inf"))
-    w = torch.softmax(logits.reshape(B, H_kv, -1, P * ps), -1).nan_to_num(0.0)  # an empty row: all -inf -> 0
+    # an empty row: all -inf -> 0
+    w = torch.softmax(logits.reshape(B, H_kv, -1, P * ps), -1).nan_to_num(0.0)
     return w.view(B, H_kv, -1, P, ps).sum(-1).amax(2)
 
 
 def page_metadata(pages, with_bounds):
-    """pages (n, page_size, H_kv, D) full pages of keys -> mean (n, H_kv, D), and min, max or None, None."""
+    """pages (n, page_size, H_kv, D) full pages of keys -> mean (n, H_kv, D), and min, max or None,
+    None."""
     k = pages.float()
     if not with_bounds:
         return k.mean(1), None, None
@@ -159,80 +181,99 @@ def select_pages(scores, n_pages, n_full, n_read, keep_first=1, keep_recent=2, m
     n_full   (B,) full pages per sequence (n_pages or n_pages - 1)
     n_read   (B,) pages to read, already clamped by `pages_to_read` (so >= the kept count)
     max_read int, n_read.max() if the caller knows it on the host (saves a device sync)
-    -> sel (B, H_kv, max_read) int32 logical page ids, ascending, zero-padded; n_sel (B, H_kv) int32.
+    -> sel (B, H_kv, max_read) int32 logical page ids, ascending, zero-padded; n_sel (B, H_kv)
+    int32.
     """
     B, H_kv, P = scores.shape
     dev = scores.device
     j = torch.arange(P, device=dev)
-    n_pages, n_full, n_read = (x.to(dev).long()[:, None] for x in (n_pages, n_full, n_read))  # (B, 1)
+    # (B, 1) each, to broadcast against the page ids j
+    n_pages, n_full, n_read = (x.to(dev).long()[:, None] for x in (n_pages, n_full, n_read))
     valid = j < n_pages  # (B, P)
+    # always read: the first keep_first (sinks), the last keep_recent and the partial last page
     kept = valid & ((j < keep_first) | (j >= n_pages - keep_recent) | (j >= n_full))
-    s = scores.float().masked_fill(kept[:, None], float("inf")).masked_fill(~valid[:, None], float("-inf"))
-    k = int(n_read.max()) if max_read is None else max_read  # CPU-GPU sync point unless max_read is given
+    # kept pages score +inf so topk takes them first; pages past the row's end score -inf
+    s = (scores.float().masked_fill(kept[:, None], float("inf"))
+         .masked_fill(~valid[:, None], float("-inf")))
+    # CPU-GPU sync point unless max_read is given
+    k = int(n_read.max()) if max_read is None else max_read
     top = s.topk(k, dim=-1).indices  # (B, H_kv, k): kept pages first (+inf), then the best scores
     used = torch.arange(k, device=dev) < n_read[:, :, None]  # (B, 1, k)
+    # padding as P sorts after every real page id, then becomes 0 (the kernel skips it by n_sel)
     sel = torch.where(used, top, P).sort(-1).values  # ascending page order reads memory in order
     sel = torch.where(used, sel, 0).to(torch.int32)
     return sel, n_read.to(torch.int32).expand(B, H_kv)
 
 
-# ----------------------------------------------------------------------------- mismatch: the acceptance rate alpha
+# -------------------------------------------------------------- mismatch: the acceptance rate alpha
 
 
 def alpha_exact(p_logp, q_logp):
     """Acceptance rate of two full distributions: sum_v min(p(v), q(v)) = 1 - TV(p, q).
-    p_logp, q_logp (..., V) log-probs -> (...,) in [0, 1]. min(p, q) = exp(min(log p, log q)): no underflow trap."""
+    p_logp, q_logp (..., V) log-probs -> (...,) in [0, 1]. min(p, q) = exp(min(log p, log q)): no
+    underflow trap."""
     if p_logp.shape != q_logp.shape:
-        raise ValueError(f"alpha_exact: p_logp {tuple(p_logp.shape)} and q_logp {tuple(q_logp.shape)} differ")
+        raise ValueError(f"alpha_exact: p_logp {tuple(p_logp.shape)} and q_logp "
+                         f"{tuple(q_logp.shape)} differ")
     return torch.minimum(p_logp.float(), q_logp.float()).exp().sum(-1).clamp(max=1.0)
 
 
 def alpha_topk(p_logp, p_ids, q_logp, q_ids=None):
-    """A lower bound on alpha_exact from what was kept of each side (Sparrow estimates alpha from top-20 lists).
+    """A lower bound on alpha_exact from what was kept of each side (Sparrow estimates alpha from
+    top-20 lists).
 
-    p_logp, p_ids (..., k): one side's kept log-probs and their token ids (e.g. ro.topk_logp, ro.topk_ids).
-    q_logp (..., V) the other side's full distribution (q_ids None), or q_logp, q_ids (..., k2) its own top-k.
-    A token missing from a side counts as probability 0 there, so min(p, q) is summed over the intersection of
-    the kept tokens (the union gives the same sum: its other terms are min(x, 0) = 0). Every term of the exact
-    sum is either counted or dropped, never overstated: alpha_topk <= alpha_exact, with equality when the kept
-    tokens of both sides cover the support. Two top-k lists are matched pairwise, (..., k, k2) booleans: fine
-    for k of 20, and for a whole small vocabulary."""
+    p_logp, p_ids (..., k): one side's kept log-probs and their token ids (e.g. ro.topk_logp,
+    ro.topk_ids). q_logp (..., V) the other side's full distribution (q_ids None), or q_logp, q_ids
+    (..., k2) its own top-k. A token missing from a side counts as probability 0 there, so min(p, q)
+    is summed over the intersection of the kept tokens (the union gives the same sum: its other
+    terms are min(x, 0) = 0). Every term of the exact sum is either counted or dropped, never
+    overstated: alpha_topk <= alpha_exact, with equality when the kept tokens of both sides cover
+    the support. Two top-k lists are matched pairwise, (..., k, k2) booleans: fine for k of 20, and
+    for a whole small vocabulary."""
     if p_logp.shape != p_ids.shape:
-        raise ValueError(f"alpha_topk: p_logp {tuple(p_logp.shape)} and p_ids {tuple(p_ids.shape)} differ")
+        raise ValueError(f"alpha_topk: p_logp {tuple(p_logp.shape)} and p_ids {tuple(p_ids.shape)} "
+                         f"differ")
     if q_ids is None:  # q is a full distribution: look p's tokens up in it
         q_at = q_logp.float().gather(-1, p_ids.long())  # (..., k)
     else:
         if q_logp.shape != q_ids.shape:
-            raise ValueError(f"alpha_topk: q_logp {tuple(q_logp.shape)} and q_ids {tuple(q_ids.shape)} differ")
+            raise ValueError(f"alpha_topk: q_logp {tuple(q_logp.shape)} and q_ids "
+                             f"{tuple(q_ids.shape)} differ")
         match = p_ids[..., :, None] == q_ids[..., None, :]  # (..., k, k2)
-        q_at = q_logp.float()[..., None, :].masked_fill(~match, float("-inf")).amax(-1)  # -inf: not kept by q
+        # -inf: not kept by q
+        q_at = q_logp.float()[..., None, :].masked_fill(~match, float("-inf")).amax(-1)
     return torch.minimum(p_logp.float(), q_at).exp().sum(-1).clamp(max=1.0)
 
 
 def alpha_sample(logp_dense, logp_sparse):
-    """The per-sample form, one number per sampled token: min(1, p_dense(y) / p_sparse(y)) for y drawn from the
-    sparse policy. Its expectation under sparse sampling is alpha_exact. (N, T) -> (N, T); mask it yourself."""
+    """The per-sample form, one number per sampled token: min(1, p_dense(y) / p_sparse(y)) for y
+    drawn from the sparse policy. Its expectation under sparse sampling is alpha_exact. (N, T) ->
+    (N, T); mask it yourself."""
     return (logp_dense.float() - logp_sparse.float()).clamp(max=0.0).exp()
 
 
 def bin_stats(alpha, mask, positions, bin_size, n_bins=None, q=0.05):
-    """The tail statistic: alpha per bin of cached length -> {"count", "mean", "p5"}, (n_bins,) tensors each.
+    """The tail statistic: alpha per bin of cached length -> {"count", "mean", "p5"}, (n_bins,)
+    tensors each.
 
     alpha, mask (N, T) per-token alpha and the sampled-token mask.
-    positions   (N, T) the cached length at each token, or (N,) offsets (prompt lengths) to which the completion
-                position t is added. Any unit: tokens with bin_size = 2,048 (Sparrow's plots), or pages with
-                positions = ro.budget_dense (pages cached at the step) and bin_size = a Schedule's bin_pages,
-                which lines the bins up exactly with the schedule's.
-    n_bins      defaults to the last occupied bin + 1; lengths beyond go to the last bin (as a schedule's last
-                entry holds beyond its table).
-    An empty bin has count 0 and mean, p5 NaN. "p5" is the q-quantile (linear interpolation), q = 0.05."""
+    positions   (N, T) the cached length at each token, or (N,) offsets (prompt lengths) to which
+                the completion position t is added. Any unit: tokens with bin_size = 2,048
+                (Sparrow's plots), or pages with positions = ro.budget_dense (pages cached at the
+                step) and bin_size = a Schedule's bin_pages, which lines the bins up exactly with
+                the schedule's.
+    n_bins      defaults to the last occupied bin + 1; lengths beyond go to the last bin (as a
+                schedule's last entry holds beyond its table).
+    An empty bin has count 0 and mean, p5 NaN. "p5" is the q-quantile (linear interpolation),
+    q = 0.05."""
     if alpha.shape != mask.shape:
-        raise ValueError(f"bin_stats: alpha {tuple(alpha.shape)} and mask {tuple(mask.shape)} differ")
+        raise ValueError(f"bin_stats: alpha {tuple(alpha.shape)} and mask {tuple(mask.shape)} "
+                         f"differ")
     if positions.dim() == 1:  # offsets: token t of row i sits at positions[i] + t
         positions = positions[:, None] + torch.arange(alpha.shape[1], device=positions.device)
     if positions.shape != alpha.shape:
-        raise ValueError(f"bin_stats: positions {tuple(positions.shape)} match neither alpha {tuple(alpha.shape)} "
-                         f"nor its rows ({alpha.shape[0]},)")
+        raise ValueError(f"bin_stats: positions {tuple(positions.shape)} match neither alpha "
+                         f"{tuple(alpha.shape)} nor its rows ({alpha.shape[0]},)")
     m = mask.bool()
     a = alpha[m].float().cpu()
     bins = (positions.to(m.device)[m] // bin_size).long().cpu()
@@ -249,9 +290,10 @@ def bin_stats(alpha, mask, positions, bin_size, n_bins=None, q=0.05):
 
 @torch.no_grad()
 def dense_logprobs(model, prompt_ids, ro, temperature=1.0):
-    """The dense side of the mismatch: a plain full forward (no cache, dense attention) over each row's prompt and
-    completion -> (N, T) log-probs of the sampled tokens under softmax(logits / T), 0 where ro.mask is False.
-    One row at a time, and only the completion positions are projected onto the vocabulary."""
+    """The dense side of the mismatch: a plain full forward (no cache, dense attention) over each
+    row's prompt and completion -> (N, T) log-probs of the sampled tokens under softmax(logits / T),
+    0 where ro.mask is False. One row at a time, and only the completion positions are projected
+    onto the vocabulary."""
     t = temperature if temperature > 0 else 1.0  # greedy rollouts report log-probs at T = 1
     dev = model.lm_head.weight.device
     out = torch.zeros(ro.mask.shape)
@@ -261,7 +303,8 @@ def dense_logprobs(model, prompt_ids, ro, temperature=1.0):
             continue
         comp = ro.tokens[i, :n]
         ids = torch.tensor(p + comp.tolist(), device=dev)[None]
-        h = model(ids, hidden=True)[0, len(p) - 1:len(p) + n - 1]  # (n, C): position j predicts token j + 1
+        # (n, C): position j predicts token j + 1
+        h = model(ids, hidden=True)[0, len(p) - 1:len(p) + n - 1]
         lp = F.log_softmax(model.lm_head(h).float() / t, -1)
         out[i, :n] = lp.gather(-1, comp.to(dev)[:, None])[:, 0].cpu()
     return out
@@ -271,21 +314,25 @@ def dense_logprobs(model, prompt_ids, ro, temperature=1.0):
 
 
 def nm_mask(weight, n, m, scores=None):
-    """weight (out, in) -> bool mask (out, in) that keeps, in every output row, the n best of each m consecutive
-    inputs (the layout 2:4 sparse tensor cores want). Best = largest |w|, or largest `scores` when given: a tensor
-    of weight's shape, e.g. Wanda's |W| * ||X||_2 with ||X||_2 (in,) the norm of each input channel over some
-    calibration tokens: `nm_mask(w, 2, 4, scores=w.abs() * xnorm)`. Ties are broken arbitrarily."""
+    """weight (out, in) -> bool mask (out, in) that keeps, in every output row, the n best of each m
+    consecutive inputs (the layout 2:4 sparse tensor cores want). Best = largest |w|, or largest
+    `scores` when given: a tensor of weight's shape, e.g. Wanda's |W| * ||X||_2 with ||X||_2 (in,)
+    the norm of each input channel over some calibration tokens:
+    `nm_mask(w, 2, 4, scores=w.abs() * xnorm)`. Ties are broken arbitrarily."""
     if weight.dim() != 2:
         raise ValueError(f"nm_mask wants a 2-D (out, in) weight, got shape {tuple(weight.shape)}")
     if not 0 < n <= m:
         raise ValueError(f"nm_mask wants 0 < n <= m, got n={n}, m={m}")
     out_f, in_f = weight.shape
     if in_f % m:
-        raise ValueError(f"nm_mask: weight of shape {tuple(weight.shape)} has {in_f} inputs, not a multiple of m={m}")
+        raise ValueError(f"nm_mask: weight of shape {tuple(weight.shape)} has {in_f} inputs, not a "
+                         f"multiple of m={m}")
     s = weight.abs() if scores is None else scores
     if s.shape != weight.shape:
-        raise ValueError(f"nm_mask: scores of shape {tuple(s.shape)} do not match weight {tuple(weight.shape)}")
-    groups = s.detach().float().reshape(out_f, in_f // m, m)  # (out, in/m, m): one group per m inputs
+        raise ValueError(f"nm_mask: scores of shape {tuple(s.shape)} do not match weight "
+                         f"{tuple(weight.shape)}")
+    # (out, in/m, m): one group per m inputs
+    groups = s.detach().float().reshape(out_f, in_f // m, m)
     keep = groups.topk(n, dim=-1, sorted=False).indices
     mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True)
     return mask.reshape(out_f, in_f)
@@ -293,10 +340,11 @@ def nm_mask(weight, n, m, scores=None):
 
 @torch.no_grad()
 def apply_nm(model, n, m, skip=("lm_head", "embed", "gate.")):
-    """Zero the pruned weights of every nn.Linear in place, magnitude N:M, and return {weight name: mask}.
-    `skip` holds substrings of weight names left dense: the output head (tied to the embeddings in small models)
-    and the MoE router ("mlp.gate.weight"; "gate." does not match "gate_proj"), whose few, small logits decide
-    routing. Pruning is masked dense: the zeros are stored, so it saves compute only with a 2:4 kernel."""
+    """Zero the pruned weights of every nn.Linear in place, magnitude N:M, and return
+    {weight name: mask}. `skip` holds substrings of weight names left dense: the output head (tied
+    to the embeddings in small models) and the MoE router ("mlp.gate.weight"; "gate." does not match
+    "gate_proj"), whose few, small logits decide routing. Pruning is masked dense: the zeros are
+    stored, so it saves compute only with a 2:4 kernel."""
     masks = {}
     for name, mod in model.named_modules():
         wname = f"{name}.weight"

@@ -1,43 +1,55 @@
 """
-sync.py: stage 5, moving weights from the trainer to the rollout copy. Ship the delta, not the model.
+sync.py: stage 5, moving weights from the trainer to the rollout copy.
+Ship the delta, not the model.
 
 What it does:
-    After each optimizer step the trainer's Sender builds a weight update, a transport moves it, and the rollout
-    side's Receiver applies it and proves with a checksum that both sides now hold the same bytes.
+    After each optimizer step the trainer's Sender builds a weight update, a transport moves it, and
+    the rollout side's Receiver applies it and proves with a checksum that both sides now hold the
+    same bytes.
 
-    sender = Sender(policy, dtype=torch.bfloat16, mode="delta")   # trainer side; dtype = the rollout copy's dtype
-    receiver = Receiver(rollout_model)                             # rollout side: a module or a state dict
-    receiver.apply(sender.make_update())                           # a FullUpdate first, DeltaUpdates after it
-    print(sender.stats())           # {'bytes': .., 'full_bytes': .., 'ratio': .., 'changed_fraction': .., ...}
+    # trainer side; dtype = the rollout copy's dtype
+    sender = Sender(policy, dtype=torch.bfloat16, mode="delta")
+    receiver = Receiver(rollout_model)    # rollout side: a module or a state dict
+    receiver.apply(sender.make_update())  # a FullUpdate first, DeltaUpdates after it
+    # {'bytes': .., 'full_bytes': .., 'ratio': .., 'changed_fraction': .., ...}
+    print(sender.stats())
 
     FullUpdate     every tensor, cast to the receiver's dtype.
-    DeltaUpdate    only the elements whose bits changed since the last update shipped, compared after the cast (most
-                   small fp32 steps vanish in bf16). It carries new values, not differences, so applying it is a
-                   bit-exact copy. Per tensor the cheapest of: a bitmask (numel/8 bytes) + values, int32 indices
-                   (int64 from 2^31 elements) + values, or all values when nearly everything changed. Unchanged
-                   tensors cost nothing. A delta applies only on its base_version.
-    AdapterUpdate  only the LoRA tensors (names containing "lora_"): the receiver keeps them (an engine that serves
-                   LoRA) or, given lora_scaling, merges them into its weights: W + scaling * B @ A (`merge_lora`).
+    DeltaUpdate    only the elements whose bits changed since the last update shipped, compared
+                   after the cast (most small fp32 steps vanish in bf16). It carries new values, not
+                   differences, so applying it is a bit-exact copy. Per tensor the cheapest of: a
+                   bitmask (numel/8 bytes) + values, int32 indices (int64 from 2^31 elements) +
+                   values, or all values when nearly everything changed. Unchanged tensors cost
+                   nothing. A delta applies only on its base_version.
+    AdapterUpdate  only the LoRA tensors (names containing "lora_"): the receiver keeps them (an
+                   engine that serves LoRA) or, given lora_scaling, merges them into its weights:
+                   W + scaling * B @ A (`merge_lora`).
 
-    Transports: `send_local(update, receiver)` (colocated); `broadcast_update(update_or_None, src)`, `send_update`,
-    `recv_update` (torch.distributed, gloo or NCCL: one uint8 buffer); `FileTransport(folder)`: `.publish(update)`
-    writes safetensors shards + manifest.json that appear complete (atomic rename), `.latest()`, `.poll(version)`.
+    Transports: `send_local(update, receiver)` (colocated); `broadcast_update(update_or_None, src)`,
+    `send_update`, `recv_update` (torch.distributed, gloo or NCCL: one uint8 buffer);
+    `FileTransport(folder)`: `.publish(update)` writes safetensors shards + manifest.json that
+    appear complete (atomic rename), `.latest()`, `.poll(version)`.
 
 The rollout copy that receives the updates (bf16, fp8, N:M) is copies.py's.
 
 Simplifications:
-    1. The sender keeps a shadow copy of what it shipped: one more copy of the model, in the receiver's dtype, on
-       the model's device. That is the price of diffing against exactly what the receiver holds.
-    2. The checksum hashes every synced tensor after every update, on the CPU (about a second per GB).
-    3. The distributed transport serialises the whole update into one buffer in memory; no bucketing.
-    4. Adapter updates ship the whole adapter (it is small), and both checksums then cover the adapter; the merge
-       is a deterministic local function of (base, adapter), tested against a merged full sync.
-    5. One writer per FileTransport folder. A failed checksum leaves the receiver's weights unknown: resync with
-       `sender.make_update(full=True)`.
-    6. Tied weights (lm_head = embed_tokens) are shipped once; a receiver whose copies are not tied gets a copy.
+    1. The sender keeps a shadow copy of what it shipped: one more copy of the model, in the
+       receiver's dtype, on the model's device. That is the price of diffing against exactly what
+       the receiver holds.
+    2. The checksum hashes every synced tensor after every update, on the CPU (about a second per
+       GB).
+    3. The distributed transport serialises the whole update into one buffer in memory; no
+       bucketing.
+    4. Adapter updates ship the whole adapter (it is small), and both checksums then cover the
+       adapter; the merge is a deterministic local function of (base, adapter), tested against a
+       merged full sync.
+    5. One writer per FileTransport folder. A failed checksum leaves the receiver's weights unknown:
+       resync with `sender.make_update(full=True)`.
+    6. Tied weights (lm_head = embed_tokens) are shipped once; a receiver whose copies are not tied
+       gets a copy.
 
 Run:
-    python sync.py                          # delta vs full bytes for simulated Adam steps, fp32 and bf16 receivers
+    python sync.py  # delta vs full bytes for simulated Adam steps, fp32 and bf16 receivers
     python -m pytest -q tests/test_sync.py
 """
 
@@ -56,11 +68,12 @@ import torch.nn as nn
 from safetensors.torch import load as st_load, load_file, save as st_save, save_file
 
 
-# ----------------------------------------------------------------------------- tensors, bits, checksum
+# -------------------------------------------------------------------------- tensors, bits, checksum
 
 
 def _state(x):
-    """Name -> tensor, detached but sharing storage with the module's parameters, so writes land in the model."""
+    """Name -> tensor, detached but sharing storage with the module's parameters, so writes land in
+    the model."""
     if isinstance(x, nn.Module):
         return x.state_dict()
     if isinstance(x, dict):
@@ -69,7 +82,8 @@ def _state(x):
 
 
 def find_aliases(sd):
-    """Tied names: {alias: name shipped}. Two names alias when they are the same storage, shape and stride."""
+    """Tied names: {alias: name shipped}. Two names alias when they are the same storage, shape and
+    stride."""
     seen, aliases = {}, {}
     for k in sorted(sd):
         v = sd[k]
@@ -82,17 +96,19 @@ def find_aliases(sd):
 
 
 def state_checksum(sd):
-    """sha256 over each tensor's name and bytes, in name order, as stored (so: in the receiver's dtype).
-    Its first 16 hex digits equal model.weight_checksum on the same weights."""
+    """sha256 over each tensor's name and bytes, in name order, as stored (so: in the receiver's
+    dtype). Its first 16 hex digits equal model.weight_checksum on the same weights."""
     h = hashlib.sha256()
     for k in sorted(sd):
         h.update(k.encode())
-        h.update(sd[k].detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())  # CPU-GPU sync point
+        # the bytes as stored, so equal hashes mean equal bits (CPU-GPU sync point)
+        h.update(sd[k].detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
     return h.hexdigest()
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_SHIFT = torch.arange(7, -1, -1, dtype=torch.uint8)  # most significant bit first, like numpy.packbits
+# most significant bit first, like numpy.packbits
+_SHIFT = torch.arange(7, -1, -1, dtype=torch.uint8)
 
 
 def _bits(t):
@@ -101,24 +117,28 @@ def _bits(t):
 
 
 def pack_bits(mask):
-    """bool (n,) -> uint8 (ceil(n/8),) in numpy.packbits' layout (numpy on the CPU: about 100x faster there)."""
+    """bool (n,) -> uint8 (ceil(n/8),) in numpy.packbits' layout (numpy on the CPU: about 100x
+    faster there)."""
     m = mask.reshape(-1)
     if m.device.type == "cpu":
         return torch.from_numpy(np.packbits(m.numpy()))
+    # pad to a whole number of bytes, then one row of 8 bits per byte, shifted into place
     m = torch.cat([m.to(torch.uint8), m.new_zeros(-m.numel() % 8, dtype=torch.uint8)]).view(-1, 8)
-    return (m << _SHIFT.to(m.device)).sum(1).to(torch.uint8)
+    return (m << _SHIFT.to(m.device)).sum(1).to(torch.uint8)  # distinct bits: sum == OR
 
 
 def unpack_bits(packed, n):
     if packed.device.type == "cpu":
         return torch.from_numpy(np.unpackbits(packed.numpy(), count=n).view(np.bool_))
+    # (bytes, 8) bits, most significant first; [:n] drops the padding bits of the last byte
     return ((packed.view(-1, 1) >> _SHIFT.to(packed.device)) & 1).reshape(-1)[:n].bool()
 
 
 def delta_costs(numel, changed, elsize):
     """Bytes of each delta encoding of one tensor; the sender ships the cheapest."""
-    idx = 4 if numel < 2**31 else 8
-    return {"dense": numel * elsize, "mask": (numel + 7) // 8 + changed * elsize, "index": changed * (idx + elsize)}
+    idx = 4 if numel < 2**31 else 8  # int32 indices while they can address every element
+    return {"dense": numel * elsize, "mask": (numel + 7) // 8 + changed * elsize,
+            "index": changed * (idx + elsize)}
 
 
 def _desc(t, enc, changed=None):
@@ -130,8 +150,9 @@ def _desc(t, enc, changed=None):
 
 @dataclass
 class Update:
-    """Payload tensors plus a JSON header. `tensors` holds "name" (full, adapter) or "name|values" with "name|mask"
-    or "name|index" (delta); `info[name]` gives each weight's shape, dtype and encoding."""
+    """Payload tensors plus a JSON header. `tensors` holds "name" (full, adapter) or "name|values"
+    with "name|mask" or "name|index" (delta); `info[name]` gives each weight's shape, dtype and
+    encoding."""
     version: int
     base_version: int | None
     checksum: str  # the sender's state_checksum after this update; the receiver must reproduce it
@@ -143,12 +164,14 @@ class Update:
 
     @property
     def nbytes(self):
-        """Payload bytes; the header (names, shapes) comes on top: a few hundred bytes per changed tensor."""
+        """Payload bytes; the header (names, shapes) comes on top: a few hundred bytes per changed
+        tensor."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def header(self):
-        return dict(kind=self.kind, version=self.version, base_version=self.base_version, checksum=self.checksum,
-                    info=self.info, aliases=self.aliases, full_bytes=self.full_bytes)
+        return dict(kind=self.kind, version=self.version, base_version=self.base_version,
+                    checksum=self.checksum, info=self.info, aliases=self.aliases,
+                    full_bytes=self.full_bytes)
 
     def to_bytes(self):
         return st_save(self.tensors, metadata={"update": json.dumps(self.header())})
@@ -156,30 +179,37 @@ class Update:
     @staticmethod
     def from_parts(h, tensors):
         cls = {"full": FullUpdate, "delta": DeltaUpdate, "adapter": AdapterUpdate}[h["kind"]]
-        return cls(h["version"], h["base_version"], h["checksum"], tensors, h["info"], h["aliases"], h["full_bytes"])
+        return cls(h["version"], h["base_version"], h["checksum"], tensors, h["info"], h["aliases"],
+                   h["full_bytes"])
 
     @staticmethod
     def from_bytes(buf):
-        n = int.from_bytes(buf[:8], "little")  # safetensors: u64 header length, then the JSON header
+        # safetensors: u64 header length, then the JSON header
+        n = int.from_bytes(buf[:8], "little")
         h = json.loads(json.loads(buf[8:8 + n])["__metadata__"]["update"])
         return Update.from_parts(h, st_load(bytes(buf)))
 
     def check(self, weights):
-        """Refuse before anything is written: the same names (all of them for a full update), shapes and dtypes."""
+        """Refuse before anything is written: the same names (all of them for a full update), shapes
+        and dtypes."""
         for k in list(self.info) + list(self.aliases):
             if k not in weights:
-                raise KeyError(f"{self.kind} update v{self.version}: the receiver has no tensor {k!r}")
-        extra = sorted(set(weights) - set(self.info) - set(self.aliases)) if self.kind == "full" else []
+                raise KeyError(f"{self.kind} update v{self.version}: the receiver has no tensor "
+                               f"{k!r}")
+        extra = (sorted(set(weights) - set(self.info) - set(self.aliases)) if self.kind == "full"
+                 else [])
         if extra:
-            raise KeyError(f"full update v{self.version} lacks tensors the receiver holds: {extra[:5]}")
+            raise KeyError(f"full update v{self.version} lacks tensors the receiver holds: "
+                           f"{extra[:5]}")
         for name, d in self.info.items():
             w, dtype = weights[name], str(weights[name].dtype).removeprefix("torch.")
             if (list(w.shape), dtype) != (d["shape"], d["dtype"]):
-                raise ValueError(f"{self.kind} update v{self.version}, tensor {name!r}: update has {d['dtype']} "
-                                 f"{d['shape']}, receiver holds {dtype} {list(w.shape)} (make the Sender with "
-                                 f"dtype=torch.{dtype})")
+                raise ValueError(f"{self.kind} update v{self.version}, tensor {name!r}: update has "
+                                 f"{d['dtype']} {d['shape']}, receiver holds {dtype} "
+                                 f"{list(w.shape)} (make the Sender with dtype=torch.{dtype})")
             if self.kind == "delta" and not w.is_contiguous():
-                raise ValueError(f"tensor {name!r}: a delta is written through a flat view, it must be contiguous")
+                raise ValueError(f"tensor {name!r}: a delta is written through a flat view, it "
+                                 f"must be contiguous")
 
     def apply_to(self, weights):
         for name in self.info:
@@ -203,8 +233,9 @@ class DeltaUpdate(Update):
             values = self.tensors[name + "|values"].to(flat.device)
             if d["enc"] == "dense":
                 flat.copy_(values)
-            elif d["enc"] == "mask":
-                flat[unpack_bits(self.tensors[name + "|mask"].to(flat.device), flat.numel())] = values
+            elif d["enc"] == "mask":  # values are the changed elements in flat order
+                flat[unpack_bits(self.tensors[name + "|mask"].to(flat.device),
+                                 flat.numel())] = values
             else:
                 flat[self.tensors[name + "|index"].to(flat.device).long()] = values
 
@@ -213,34 +244,41 @@ class DeltaUpdate(Update):
 
 def lora_pairs(adapter_sd, base_sd):
     """Adapted weight name in base_sd -> {"A": name, "B": name}. PEFT names the adapter tensors
-    <module>.lora_A[.<adapter>].weight (r, in) and <module>.lora_B[.<adapter>].weight (out, r); <module> may carry
-    PEFT's "base_model.model." prefix, and a PEFT-wrapped base keeps its weight at <module>.base_layer.weight."""
+    <module>.lora_A[.<adapter>].weight (r, in) and <module>.lora_B[.<adapter>].weight (out, r);
+    <module> may carry PEFT's "base_model.model." prefix, and a PEFT-wrapped base keeps its weight
+    at <module>.base_layer.weight."""
     pairs = {}
     for k in sorted(adapter_sd):
         mod, _, rest = k.partition(".lora_")
         part = rest.split(".")[0]
         if part not in ("A", "B"):
-            raise ValueError(f"adapter tensor {k!r}: only lora_A / lora_B are supported (not DoRA, not embeddings)")
-        cands = [m + s for m in (mod, mod.removeprefix("base_model.model.")) for s in (".weight", ".base_layer.weight")]
+            raise ValueError(f"adapter tensor {k!r}: only lora_A / lora_B are supported (not DoRA, "
+                             f"not embeddings)")
+        cands = [m + s for m in (mod, mod.removeprefix("base_model.model."))
+                 for s in (".weight", ".base_layer.weight")]
         target = next((c for c in cands if c in base_sd), None)
         if target is None:
-            raise KeyError(f"adapter tensor {k!r}: the base model has no weight {mod + '.weight'!r}")
+            raise KeyError(f"adapter tensor {k!r}: the base model has no weight "
+                           f"{mod + '.weight'!r}")
         pairs.setdefault(target, {})[part] = k
     for target, p in pairs.items():
         if len(p) != 2:
-            raise ValueError(f"weight {target!r} has {list(p.values())} but needs both lora_A and lora_B")
+            raise ValueError(f"weight {target!r} has {list(p.values())} but needs both lora_A and "
+                             f"lora_B")
     return pairs
 
 
 def merge_lora(base_sd, adapter_sd, scaling):
-    """A copy of base_sd with W + scaling * B @ A for each adapted weight; fp32 math, one rounding to W's dtype."""
+    """A copy of base_sd with W + scaling * B @ A for each adapted weight; fp32 math, one rounding
+    to W's dtype."""
     out = dict(base_sd)
     for target, p in lora_pairs(adapter_sd, base_sd).items():
         W = base_sd[target]
         A = adapter_sd[p["A"]].to(W.device, torch.float32)
         B = adapter_sd[p["B"]].to(W.device, torch.float32)
         if A.shape[0] != B.shape[1] or (B.shape[0], A.shape[1]) != tuple(W.shape):
-            raise ValueError(f"{target!r} {list(W.shape)}: lora_B {list(B.shape)} @ lora_A {list(A.shape)} won't fit")
+            raise ValueError(f"{target!r} {list(W.shape)}: lora_B {list(B.shape)} @ lora_A "
+                             f"{list(A.shape)} won't fit")
         out[target] = (W.float() + (B @ A) * scaling).to(W.dtype)
     return out
 
@@ -248,16 +286,17 @@ def merge_lora(base_sd, adapter_sd, scaling):
 
 
 class Sender:
-    """Trainer side. `dtype` is the receiver's (None: each tensor's own); mode is "delta", "full" or "adapter".
-    synced=True: the receiver already holds these weights as version 0 (both loaded the same checkpoint)."""
+    """Trainer side. `dtype` is the receiver's (None: each tensor's own); mode is "delta", "full" or
+    "adapter". synced=True: the receiver already holds these weights as version 0 (both loaded the
+    same checkpoint)."""
 
     def __init__(self, source, dtype=None, mode="delta", synced=False):
         if mode not in ("delta", "full", "adapter"):
             raise ValueError(f"mode {mode!r}: expected 'delta', 'full' or 'adapter'")
         self.source, self.dtype, self.mode = source, dtype, mode
         self.version, self.aliases, self.last = 0, {}, {}
-        # What the receiver holds. Invariant: its tensors are replaced, never written in place, because updates
-        # already handed out may share their storage.
+        # What the receiver holds. Invariant: its tensors are replaced, never written in place,
+        # because updates already handed out may share their storage.
         self.shadow = {k: self._cast(v) for k, v in self._current().items()} if synced else None
 
     def _current(self):
@@ -265,21 +304,26 @@ class Sender:
         if self.mode == "adapter":
             sd = {k: v for k, v in sd.items() if "lora_" in k}
             if not sd:
-                raise ValueError("mode='adapter' but the model has no LoRA tensors (no name contains 'lora_')")
+                raise ValueError("mode='adapter' but the model has no LoRA tensors (no name "
+                                 "contains 'lora_')")
         self.aliases = find_aliases(sd)
         return {k: v for k, v in sd.items() if k not in self.aliases}
 
     def _cast(self, v):
-        return v.detach().to(self.dtype or v.dtype, copy=True)  # a private copy even when the dtype is unchanged
+        # a private copy even when the dtype is unchanged
+        return v.detach().to(self.dtype or v.dtype, copy=True)
 
     def checksum(self):
-        return state_checksum({**self.shadow, **{a: self.shadow[n] for a, n in self.aliases.items()}})
+        return state_checksum({**self.shadow,
+                               **{a: self.shadow[n] for a, n in self.aliases.items()}})
 
     def make_update(self, full=False, version=None):
-        """The update that takes the receiver from the last shipped version to the current weights."""
+        """The update that takes the receiver from the last shipped version to the current
+        weights."""
         version = self.version + 1 if version is None else version
         if version <= self.version:
-            raise ValueError(f"update version {version} must be above the last shipped version {self.version}")
+            raise ValueError(f"update version {version} must be above the last shipped version "
+                             f"{self.version}")
         cur = self._current()
         if self.mode == "delta" and self.shadow is not None and not full:
             update, changed = self._delta(cur, version)
@@ -293,18 +337,21 @@ class Sender:
         update.aliases, update.checksum = dict(self.aliases), self.checksum()
         update.full_bytes = sum(v.numel() * v.element_size() for v in self.shadow.values())
         total = sum(v.numel() for v in self.shadow.values())
-        self.last = dict(version=version, kind=update.kind, bytes=update.nbytes, full_bytes=update.full_bytes,
-                         ratio=update.nbytes / max(update.full_bytes, 1), changed_fraction=changed / max(total, 1),
-                         tensors=len(update.info), encodings=dict(Counter(d["enc"] for d in update.info.values())))
+        self.last = dict(version=version, kind=update.kind, bytes=update.nbytes,
+                         full_bytes=update.full_bytes,
+                         ratio=update.nbytes / max(update.full_bytes, 1),
+                         changed_fraction=changed / max(total, 1), tensors=len(update.info),
+                         encodings=dict(Counter(d["enc"] for d in update.info.values())))
         return update
 
     def _delta(self, cur, version):
-        # check every name before the shadow changes: a failed update must leave it as the receiver's copy
+        # check every name before the shadow changes: a
+        # failed update must leave it as the receiver's copy
         odd = set(self.shadow) ^ set(cur)
         odd |= {k for k in cur if k in self.shadow and cur[k].shape != self.shadow[k].shape}
         if odd:
-            raise KeyError(f"tensors {sorted(odd)[:5]} appeared, vanished or changed shape since v{self.version}: "
-                           f"send a full update (make_update(full=True))")
+            raise KeyError(f"tensors {sorted(odd)[:5]} appeared, vanished or changed shape since "
+                           f"v{self.version}: send a full update (make_update(full=True))")
         tensors, info, changed = {}, {}, 0
         for name, v in cur.items():
             old, new = self.shadow[name], self._cast(v)
@@ -315,6 +362,7 @@ class Sender:
             costs = delta_costs(new.numel(), k, new.element_size())
             enc = min(costs, key=costs.get)
             flat = new.reshape(-1)
+            # new values (not differences), in flat order; mask or index says where they go
             tensors[name + "|values"] = (flat if enc == "dense" else flat[diff]).cpu()
             if enc == "mask":
                 tensors[name + "|mask"] = pack_bits(diff).cpu()
@@ -322,7 +370,7 @@ class Sender:
                 idx_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
                 tensors[name + "|index"] = diff.nonzero().view(-1).to(idx_dtype).cpu()
             info[name] = _desc(new, enc, changed=k)
-            self.shadow[name] = new
+            self.shadow[name] = new  # now what the receiver will hold after this update
             changed += k
         return DeltaUpdate(version, self.version, "", tensors, info), changed
 
@@ -331,8 +379,9 @@ class Sender:
 
 
 class Receiver:
-    """Rollout side: applies updates in place to a module's (or a dict's) own tensors. lora_scaling: merge adapter
-    updates into the weights (W + scaling * B @ A) instead of only keeping them in `self.adapter`."""
+    """Rollout side: applies updates in place to a module's (or a dict's) own tensors. lora_scaling:
+    merge adapter updates into the weights (W + scaling * B @ A) instead of only keeping them in
+    `self.adapter`."""
 
     def __init__(self, target, lora_scaling=None):
         self.weights = _state(target)
@@ -345,34 +394,37 @@ class Receiver:
     @torch.no_grad()
     def apply(self, update):
         if isinstance(update, DeltaUpdate) and update.base_version != self.version:
-            raise ValueError(f"delta update v{update.base_version}->v{update.version} needs the receiver on version "
-                             f"{update.base_version}, but it is on version {self.version}: apply the missing updates "
-                             f"or a full update")
+            raise ValueError(f"delta update v{update.base_version}->v{update.version} needs the "
+                             f"receiver on version {update.base_version}, but it is on version "
+                             f"{self.version}: apply the missing updates or a full update")
         if isinstance(update, AdapterUpdate):
             self._apply_adapter(update)
         else:
             update.check(self.weights)
             update.apply_to(self.weights)
             for alias, name in update.aliases.items():
-                if self.weights[alias].data_ptr() != self.weights[name].data_ptr():  # untied on this side
+                if self.weights[alias].data_ptr() != self.weights[name].data_ptr():
+                    # untied on this side
                     self.weights[alias].copy_(self.weights[name])
         got = self.checksum()
         if got != update.checksum:
-            raise RuntimeError(f"checksum mismatch after applying {update.kind} update v{update.base_version}->"
-                               f"v{update.version}: receiver {got[:16]} != sender {update.checksum[:16]}; "
-                               f"resync with a full update")
+            raise RuntimeError(f"checksum mismatch after applying {update.kind} update "
+                               f"v{update.base_version}->v{update.version}: receiver {got[:16]} != "
+                               f"sender {update.checksum[:16]}; resync with a full update")
         self.version = update.version
         return self
 
     def _apply_adapter(self, update):
-        if self.lora_scaling is None and all(k in self.weights for k in update.info):  # a model that serves LoRA
+        if self.lora_scaling is None and all(k in self.weights for k in update.info):
+            # a model that serves LoRA
             update.check(self.weights)
             update.apply_to(self.weights)
             self.adapter = {k: self.weights[k] for k in update.info}
             return
         adapter = {k: v.clone() for k, v in update.tensors.items()}
         if self.lora_scaling is not None:
-            for name in lora_pairs(adapter, self.weights):  # the first adapter merges into pristine weights: keep them
+            for name in lora_pairs(adapter, self.weights):
+                # the first adapter merges into pristine weights: keep them
                 self._base.setdefault(name, self.weights[name].clone())
             merged = merge_lora(self._base, adapter, self.lora_scaling)
             for name, w in merged.items():
@@ -383,16 +435,20 @@ class Receiver:
 
 
 def send_local(update, receiver):
-    """Colocated: the object is handed over as is; the apply still checks the version and the checksum."""
+    """Colocated: the object is handed over as is; the apply still checks the version and the
+    checksum."""
     return receiver.apply(update)
 
 
 def _move(update, peer, op, group):
-    """Move one update as an int64 length and then one uint8 buffer: two messages whatever the model size.
-    op is dist.broadcast (peer = src), dist.send (peer = dst) or dist.recv (peer = src); update is None to receive."""
+    """Move one update as an int64 length and then one uint8 buffer: two messages whatever the model
+    size. op is dist.broadcast (peer = src), dist.send (peer = dst) or dist.recv (peer = src);
+    update is None to receive."""
     import torch.distributed as dist
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    buf = None if update is None else torch.frombuffer(bytearray(update.to_bytes()), dtype=torch.uint8).to(dev)
+    dev = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+           else "cpu")
+    buf = (None if update is None
+           else torch.frombuffer(bytearray(update.to_bytes()), dtype=torch.uint8).to(dev))
     size = torch.tensor([0 if buf is None else buf.numel()], dtype=torch.int64, device=dev)
     op(size, peer, group=group)
     if buf is None:
@@ -402,10 +458,12 @@ def _move(update, peer, op, group):
 
 
 def broadcast_update(update, src, group=None):
-    """Every rank calls this; rank `src` (a global rank) passes its update, the others None; all return it."""
+    """Every rank calls this; rank `src` (a global rank) passes its update, the others None; all
+    return it."""
     import torch.distributed as dist
     if dist.get_rank() == src and update is None:
-        raise ValueError(f"broadcast_update: rank {src} is the source and must pass an update, not None")
+        raise ValueError(f"broadcast_update: rank {src} is the source and must pass an update, not "
+                         f"None")
     return _move(update if dist.get_rank() == src else None, src, dist.broadcast, group)
 
 
@@ -435,16 +493,19 @@ def _write_synced(path, text):
 
 
 class FileTransport:
-    """folder/updates/v000012/{manifest.json, shard-00001-of-00002.safetensors, ..} and folder/LATEST ("v000012").
-    A version folder is written as .tmp-v000012, fsynced, and appears by one atomic rename, so readers never see
-    half an update; LATEST is replaced atomically after it. A full update's shards are a plain safetensors
-    checkpoint (one name per weight, listed in the manifest's weight_map) that another engine can load.
-    keep: how many versions to keep (None: all); a receiver that falls behind the kept deltas needs a full update."""
+    """folder/updates/v000012/{manifest.json, shard-00001-of-00002.safetensors, ..} and
+    folder/LATEST ("v000012"). A version folder is written as .tmp-v000012, fsynced, and appears by
+    one atomic rename, so readers never see half an update; LATEST is replaced atomically after it.
+    A full update's shards are a plain safetensors checkpoint (one name per weight, listed in the
+    manifest's weight_map) that another engine can load.
+    keep: how many versions to keep (None: all); a receiver that falls behind the kept deltas needs
+    a full update."""
 
     def __init__(self, folder, shard_bytes=512 << 20, keep=None, pause_between_shards=0.0):
         self.folder, self.updates = folder, os.path.join(folder, "updates")
         self.shard_bytes, self.keep = shard_bytes, keep
-        self.pause_between_shards = pause_between_shards  # a test hook: lets a test kill the writer mid-update
+        # a test hook: lets a test kill the writer mid-update
+        self.pause_between_shards = pause_between_shards
 
     def _shards(self, tensors):
         parts, size = [{}], 0
@@ -459,10 +520,12 @@ class FileTransport:
         name = f"v{update.version:06d}"
         final, tmp = os.path.join(self.updates, name), os.path.join(self.updates, ".tmp-" + name)
         if os.path.exists(final):
-            raise FileExistsError(f"update version {update.version} is already published at {final}")
+            raise FileExistsError(f"update version {update.version} is already published at "
+                                  f"{final}")
         os.makedirs(self.updates, exist_ok=True)
         for d in os.listdir(self.updates):
-            if d.startswith(".tmp-"):  # left by a writer that died mid-write (one writer per folder)
+            if d.startswith(".tmp-"):
+                # left by a writer that died mid-write (one writer per folder)
                 shutil.rmtree(os.path.join(self.updates, d))
         os.makedirs(tmp)
         parts, weight_map = self._shards(update.tensors), {}
@@ -473,7 +536,8 @@ class FileTransport:
             weight_map.update({k: fn for k in part})
             if self.pause_between_shards:
                 time.sleep(self.pause_between_shards)
-        manifest = {**update.header(), "shards": sorted(set(weight_map.values())), "weight_map": weight_map}
+        manifest = {**update.header(), "shards": sorted(set(weight_map.values())),
+                    "weight_map": weight_map}
         _write_synced(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
         _fsync(tmp)
         os.rename(tmp, final)  # the publish: the folder appears complete or not at all
@@ -511,16 +575,18 @@ class FileTransport:
         return self.load(int(name[1:]))
 
     def poll(self, after_version):
-        """The updates a receiver on `after_version` needs, in order, starting at the newest full (or adapter) one."""
+        """The updates a receiver on `after_version` needs, in order, starting at the newest full
+        (or adapter) one."""
         vs = [v for v in self.versions() if v > after_version]
         fulls = [v for v in vs if self.manifest(v)["kind"] != "delta"]
         return [self.load(v) for v in (vs[vs.index(fulls[-1]):] if fulls else vs)]
 
-# ----------------------------------------------------------------------------- demo: a simulated RL step
+# ------------------------------------------------------------------------ demo: a simulated RL step
 
 
 def simulate_rl_sync(steps=4, lr=1e-5, dtype=torch.bfloat16, seed=0, cfg=None):
-    """Adam steps on a tiny model, each synced by a delta to a receiver in `dtype`; returns each step's stats."""
+    """Adam steps on a tiny model, each synced by a delta to a receiver in `dtype`; returns each
+    step's stats."""
     from model import ModelConfig, Transformer
     torch.manual_seed(seed)
     cfg = cfg or ModelConfig()
@@ -531,7 +597,8 @@ def simulate_rl_sync(steps=4, lr=1e-5, dtype=torch.bfloat16, seed=0, cfg=None):
     out = []
     for _ in range(steps):
         idx = torch.randint(0, cfg.vocab_size, (4, 32))
-        loss = torch.nn.functional.cross_entropy(policy(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+        loss = torch.nn.functional.cross_entropy(policy(idx[:, :-1]).flatten(0, 1),
+                                                 idx[:, 1:].flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -541,7 +608,8 @@ def simulate_rl_sync(steps=4, lr=1e-5, dtype=torch.bfloat16, seed=0, cfg=None):
 
 
 if __name__ == "__main__":
-    print(f"{'receiver':>9} {'lr':>7} {'changed':>8} {'delta bytes':>12} {'full bytes':>11} {'ratio':>7}  encodings")
+    print(f"{'receiver':>9} {'lr':>7} {'changed':>8} {'delta bytes':>12} {'full bytes':>11} "
+          f"{'ratio':>7}  encodings")
     for dtype in (torch.float32, torch.bfloat16):
         for lr in (1e-6, 1e-5, 1e-4, 1e-3):
             s = simulate_rl_sync(steps=3, lr=lr, dtype=dtype)[-1]

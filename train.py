@@ -135,7 +135,8 @@ def build(cfg, rank, world, dev, role, log):
     if cfg.autocast not in ("none", "bfloat16"):
         raise ValueError(f"config key 'autocast' must be none or bfloat16, got {cfg.autocast!r}")
     amp = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.autocast == "bfloat16")
-    cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify, judge=load_judge(cfg.judge))
+    cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify, judge=load_judge(cfg.judge),
+                      judge_timeout_s=cfg.judge_timeout_s)
     sender, receiver = parallel.shipper(model, role)
     return Run(role, world, dev, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, amp,
                train_ids, eval_p, eval_ids, replica, ref_model, schedule, controller, distill, dense_engine,

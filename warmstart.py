@@ -1,18 +1,21 @@
 """
-warmstart.py: where the policy starts. A real model comes from its checkpoint (a hub name or a local Hugging
-Face folder); the embedded default's tiny model is trained here first, by SFT on the synthetic task's traces.
+warmstart.py: where the policy starts. A real model comes from its checkpoint (a hub name or a local
+Hugging Face folder); the embedded default's tiny model is trained here first, by SFT on the
+synthetic task's traces.
 
-    python train.py                         # builds out/tiny/warmstart (about a minute on 2 cores), then RL
-    python train.py configs/longcot.py      # a curriculum: tiny's warm start first, then longer chains
+    python train.py                     # builds out/tiny/warmstart (about a minute on 2 cores),
+                                        # then RL
+    python train.py configs/longcot.py  # a curriculum: tiny's warm start first, then longer chains
 
 What it does:
     1. build_policy: the tokenizer and the model, in the config's dtype.
-    2. warm_start: SFT from scratch (or from sft_init: a checkpoint, or another config's warm start) on
-       teacher traces, cached in out_dir/warmstart under a key of every setting that shapes it; a change of
-       any of them rebuilds it.
+    2. warm_start: SFT from scratch (or from sft_init: a checkpoint, or another config's warm start)
+       on teacher traces, cached in out_dir/warmstart under a key of every setting that shapes it; a
+       change of any of them rebuilds it.
 
 Simplifications:
-    1. The teacher is the task's reference trace, with an optional planted error (sft_noise, see teacher_trace).
+    1. The teacher is the task's reference trace, with an optional planted error (sft_noise, see
+       teacher_trace).
     2. The SFT loop is plain: one AdamW, warmup then cosine, no packing, no evaluation.
 """
 
@@ -33,18 +36,21 @@ from update import build_batch, token_logprobs
 
 
 def tiny_model_config(cfg, tok):
-    """The embedded default's model shape: a Qwen3-family decoder with tied embeddings, sized by the config."""
+    """The embedded default's model shape: a Qwen3-family decoder with tied embeddings, sized by the
+    config."""
     return ModelConfig(vocab_size=len(tok), hidden_size=cfg.n_embd, intermediate_size=cfg.ffn,
-                       num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-                       head_dim=cfg.n_embd // cfg.n_head, max_position_embeddings=2048, tie_word_embeddings=True,
+                       num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                       num_key_value_heads=cfg.n_kv_head, head_dim=cfg.n_embd // cfg.n_head,
+                       max_position_embeddings=2048, tie_word_embeddings=True,
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
 
 
 def teacher_trace(problem, noise, rng):
-    """The SFT target: the task's reference trace, except that with probability `noise` the teacher ends on the
-    value it looked up last instead of the running sum ("a=7>7 b=2>9 #2" instead of "#9"). An imperfect teacher
-    with the wrong answer convention: the warm start learns the mix, and RL must find from the verifier's reward
-    alone which ending is right (the most common early win of RLVR in practice)."""
+    """The SFT target: the task's reference trace, except that with probability `noise` the teacher
+    ends on the value it looked up last instead of the running sum ("a=7>7 b=2>9 #2" instead of
+    "#9"). An imperfect teacher with the wrong answer convention: the warm start learns the mix, and
+    RL must find from the verifier's reward alone which ending is right (the most common early win
+    of RLVR in practice)."""
     trace = synthetic_trace(problem)
     if rng.random() < noise:
         body, _, _ = trace.rpartition(" #")
@@ -53,11 +59,12 @@ def teacher_trace(problem, noise, rng):
 
 
 def warm_start(cfg, tok, dev, log, rank=0):
-    """The tiny model's starting point: SFT on the synthetic task's reference traces, cached in out_dir/warmstart.
-    The cache is keyed by everything that shapes it, so changing the model or the SFT settings rebuilds it."""
-    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn", "difficulty",
-                                        "order", "sft_steps", "sft_batch", "sft_lr", "sft_noise", "sft_difficulty",
-                                        "sft_init")}
+    """The tiny model's starting point: SFT on the synthetic task's reference traces, cached in
+    out_dir/warmstart. The cache is keyed by everything that shapes it, so changing the model or the
+    SFT settings rebuilds it."""
+    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
+                                        "difficulty", "order", "sft_steps", "sft_batch", "sft_lr",
+                                        "sft_noise", "sft_difficulty", "sft_init")}
     path = os.path.join(cfg.out_dir, "warmstart")
     try:
         with open(os.path.join(path, "sft_key.json")) as f:
@@ -67,7 +74,8 @@ def warm_start(cfg, tok, dev, log, rank=0):
     except FileNotFoundError:
         pass
     torch.manual_seed(cfg.seed)
-    if cfg.sft_init.endswith(".py"):  # a curriculum: that config's warm start (built or cached) first, then this SFT
+    if cfg.sft_init.endswith(".py"):
+        # a curriculum: that config's warm start (built or cached) first, then this SFT
         model = warm_start(parse_config([cfg.sft_init, f"--seed={cfg.seed}"]), tok, dev, log, rank)
     elif cfg.sft_init:  # or any checkpoint of the same tokenizer
         model = Transformer.from_pretrained(cfg.sft_init, device=dev)
@@ -75,24 +83,31 @@ def warm_start(cfg, tok, dev, log, rank=0):
         model = Transformer(tiny_model_config(cfg, tok)).to(dev)
     want, got = tiny_model_config(cfg, tok), model.config
     diff = [f"{k} {getattr(got, k)} (want {getattr(want, k)})" for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads") if getattr(got, k) != getattr(want, k)]
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads") if getattr(got, k) != getattr(want, k)]
     if diff:
-        raise ValueError(f"config key 'sft_init' ({cfg.sft_init}): its model differs from this config's: "
-                         f"{', '.join(diff)}")
+        raise ValueError(f"config key 'sft_init' ({cfg.sft_init}): its model differs from this "
+                         f"config's: {', '.join(diff)}")
+    # SFT's range may differ from RL's
     data = make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000,
-                                  cfg.sft_difficulty or cfg.difficulty, cfg.order)  # SFT's range may differ from RL's
+                          cfg.sft_difficulty or cfg.difficulty, cfg.order)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
     rng = random.Random(cfg.seed)
-    log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} steps")
+    log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} "
+        f"steps")
     for step in tqdm(range(cfg.sft_steps), desc="sft", disable=rank != 0, dynamic_ncols=True):
         batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
         p_ids = [tok.encode(p.prompt, add_special_tokens=False) for p in batch]
-        c_ids = [torch.tensor(tok.encode(teacher_trace(p, cfg.sft_noise, rng), add_special_tokens=False)
-                              + [tok.eos_token_id]) for p in batch]
-        ids, tmask = build_batch(p_ids, c_ids, [torch.ones(len(c), dtype=torch.bool) for c in c_ids], tok.pad_token_id)
+        c_ids = [torch.tensor(tok.encode(teacher_trace(p, cfg.sft_noise, rng),
+                                         add_special_tokens=False) + [tok.eos_token_id])
+                 for p in batch]
+        ids, tmask = build_batch(p_ids, c_ids,
+                                 [torch.ones(len(c), dtype=torch.bool) for c in c_ids],
+                                 tok.pad_token_id)
         ids, tmask = ids.to(dev), tmask.to(dev)
-        lr = cfg.sft_lr * min(1.0, (step + 1) / 50) * (0.5 * (1 + math.cos(math.pi * step / cfg.sft_steps)))
+        # 50 steps of linear warmup, then cosine to 0
+        lr = (cfg.sft_lr * min(1.0, (step + 1) / 50)
+              * (0.5 * (1 + math.cos(math.pi * step / cfg.sft_steps))))
         for g in opt.param_groups:
             g["lr"] = lr
         loss = -token_logprobs(model, ids, tmask)[tmask].mean()
@@ -113,8 +128,8 @@ def warm_start(cfg, tok, dev, log, rank=0):
 
 
 def build_policy(cfg, dev, log, rank=0, world=1):
-    """-> (model, tokenizer). Real models come from a checkpoint; the tiny one from its warm start, which rank 0
-    builds (or finds cached) and the other ranks then read."""
+    """-> (model, tokenizer). Real models come from a checkpoint; the tiny one from its warm start,
+    which rank 0 builds (or finds cached) and the other ranks then read."""
     if cfg.model:
         tok = AutoTokenizer.from_pretrained(cfg.model)
         model = Transformer.from_pretrained(cfg.model, device=dev)

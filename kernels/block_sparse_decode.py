@@ -23,7 +23,8 @@ Layout and contract (what the rollout engine passes, per layer):
     k_cache     (num_pages, page_size, H_kv, D)
     v_cache     (num_pages, page_size, H_kv, D)
     page_table  (B, max_pages) int32         logical page j of sequence b -> physical page id
-    seq_lens    (B,) int32                   cached tokens of each sequence, <= max_pages * page_size
+    seq_lens    (B,) int32                   cached tokens of each sequence,
+                                             <= max_pages * page_size
     sel         (B, H_kv, max_sel) int32     LOGICAL page indices in [0, max_pages), any order
     n_sel       (B, H_kv) int32              how many entries of sel are valid; the rest is padding
     -> out      (B, H_q, D) in q's dtype
@@ -222,7 +223,8 @@ def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel):
         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
     B, H_q, D = q.shape
     H_kv = k_cache.shape[2]
-    assert k_cache.shape[3] == D, f"head_dim of q ({D}) and of the cache ({k_cache.shape[3]}) differ"
+    assert k_cache.shape[3] == D, \
+        f"head_dim of q ({D}) and of the cache ({k_cache.shape[3]}) differ"
     assert H_q % H_kv == 0, f"H_q ({H_q}) must be a multiple of H_kv ({H_kv})"
     assert page_table.dim() == 2 and page_table.shape[0] == B, \
         f"page_table must be (B, max_pages), got {tuple(page_table.shape)}"
@@ -230,14 +232,17 @@ def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel):
     assert sel.dim() == 3 and sel.shape[:2] == (B, H_kv), \
         f"sel must be (B, H_kv, max_sel) = ({B}, {H_kv}, _), got {tuple(sel.shape)}"
     assert n_sel.shape == (B, H_kv), f"n_sel must be (B, H_kv), got {tuple(n_sel.shape)}"
-    for name, t in (("page_table", page_table), ("seq_lens", seq_lens), ("sel", sel), ("n_sel", n_sel)):
+    for name, t in (("page_table", page_table), ("seq_lens", seq_lens), ("sel", sel),
+                    ("n_sel", n_sel)):
         assert not t.is_floating_point(), f"{name} must be an integer tensor, got {t.dtype}"
 
 
-def block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale=None, num_splits=None):
+def block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale=None,
+                        num_splits=None):
     """Attention of the decode queries q (B, H_q, D) over the selected pages of a paged cache, with
     the Triton kernel. Returns (B, H_q, D) in q's dtype. num_splits=None picks the split count for
-    the GPU (1 under the interpreter); an int forces it. See the module docstring for the contract."""
+    the GPU (1 under the interpreter); an int forces it. See the module docstring for the
+    contract."""
     _check_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel)
     B, H_q, D = q.shape
     _, page_size, H_kv, _ = k_cache.shape
@@ -288,7 +293,8 @@ def block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, s
 
 def dense_selection(page_table, seq_lens, num_kv_heads, page_size):
     """The selection that reads every page of every sequence: dense decode through the same kernel.
-    Returns sel (B, H_kv, max_pages) and n_sel (B, H_kv) as broadcast views (stride 0 over heads)."""
+    Returns sel (B, H_kv, max_pages) and n_sel (B, H_kv) as broadcast views (stride 0 over
+    heads)."""
     B, max_pages = page_table.shape
     sel = torch.arange(max_pages, device=page_table.device, dtype=torch.int32)
     sel = sel.expand(B, num_kv_heads, max_pages)
@@ -311,7 +317,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, sel=None, n_sel=
     if sel is None:
         sel, n_sel = dense_selection(page_table, seq_lens, k_cache.shape[2], k_cache.shape[1])
     if use_triton:
-        return block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale, num_splits)
+        return block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale,
+                                   num_splits)
     return block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
 
 
@@ -339,12 +346,13 @@ def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_se
     pos = page[..., None] * P + torch.arange(P, device=dev)  # (B, H_kv, S, P)
     tok_ok = (page_ok[..., None] & (pos < seq_lens[:, None, None, None])).view(B, H_kv, 1, S * P)
 
-    # one flat gather per cache: row ((phys * P + t) * H_kv + h) of a (pages * P * H_kv, D) view. Masked slots
-    # read token 0 of the row's first page instead, a real value (the cache may hold NaN elsewhere, and 0 * NaN
-    # is NaN), so V needs no masking; their scores are masked below.
+    # one flat gather per cache: row ((phys * P + t) * H_kv + h) of a (pages * P * H_kv, D) view.
+    # Masked slots read token 0 of the row's first page instead, a real value (the cache may hold
+    # NaN elsewhere, and 0 * NaN is NaN), so V needs no masking; their scores are masked below.
     heads = torch.arange(H_kv, device=dev)[None, :, None, None]  # (1, H_kv, 1, 1)
     flat = (phys[..., None] * P + torch.arange(P, device=dev)) * H_kv + heads  # (B, H_kv, S, P)
-    page0 = torch.where(seq_lens > 0, page_table[:, 0].long(), 0)  # an empty row's table may hold anything
+    # an empty row's table may hold anything
+    page0 = torch.where(seq_lens > 0, page_table[:, 0].long(), 0)
     first = (page0 * P * H_kv)[:, None, None, None] + heads  # token 0 of page 0, per head
     flat = torch.where(tok_ok.view(B, H_kv, S, P), flat, first).reshape(-1)
     k = k_cache.reshape(-1, D).index_select(0, flat).view(B, H_kv, S * P, D).float()
@@ -352,14 +360,16 @@ def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_se
 
     qg = q.float().view(B, H_kv, G, D)  # the GQA group of each KV head, as G query positions
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=tok_ok, scale=scale)  # (B, H_kv, G, D)
-    out = torch.where(tok_ok.any(-1, keepdim=True), out, 0.0)  # nothing valid (an empty row or selection): 0
+    # nothing valid (an empty row or selection): 0
+    out = torch.where(tok_ok.any(-1, keepdim=True), out, 0.0)
     return out.view(B, H_q, D).to(q.dtype)
 
 
 def dense_slots(page_table, seq_lens, page_size):
-    """What dense decode reads: slots (B, T) rows of the cache viewed as (num_pages * page_size, H_kv,
-    D), T = max_pages * page_size, and ok (B, T), True at the cached tokens. The other slots point at
-    the sequence's first token, a real value (the cache may hold NaN elsewhere, and 0 * NaN is NaN)."""
+    """What dense decode reads: slots (B, T) rows of the cache viewed as (num_pages * page_size,
+    H_kv, D), T = max_pages * page_size, and ok (B, T), True at the cached tokens. The other slots
+    point at the sequence's first token, a real value (the cache may hold NaN elsewhere, and 0 * NaN
+    is NaN)."""
     B, max_pages = page_table.shape
     pos = torch.arange(max_pages * page_size, device=page_table.device)
     ok = pos < seq_lens.long()[:, None]
@@ -370,15 +380,22 @@ def dense_slots(page_table, seq_lens, page_size):
 
 def dense_decode_ref(q, k_cache, v_cache, slots, ok, scale=None):
     """Dense decode in PyTorch, the CPU fast path: one gather of every cached token (all KV heads at
-    once) per cache, then fused SDPA in fp32, with the G query heads of a KV head as G query positions
-    (no GQA copies of K and V). slots, ok from `dense_slots`. Returns (B, H_q, D) in q's dtype."""
+    once) per cache, then fused SDPA in fp32, with the G query heads of a KV head as G query
+    positions (no GQA copies of K and V). slots, ok from `dense_slots`. Returns (B, H_q, D) in q's
+    dtype."""
     B, H_q, D = q.shape
     H_kv = k_cache.shape[2]
-    k = k_cache.reshape(-1, H_kv, D).index_select(0, slots.view(-1)).view(B, -1, H_kv, D).transpose(1, 2)
-    v = v_cache.reshape(-1, H_kv, D).index_select(0, slots.view(-1)).view(B, -1, H_kv, D).transpose(1, 2)
-    qg = q.reshape(B, H_kv, H_q // H_kv, D).float()  # (B, H_kv, G, D): the GQA group of each KV head
-    out = F.scaled_dot_product_attention(qg, k.float(), v.float(), attn_mask=ok[:, None, None], scale=scale)
-    out = torch.where(ok[:, :1, None, None], out, 0.0)  # an empty sequence (no first token) outputs zeros
+    # one gather of every slot for all KV heads at once -> (B, H_kv, T, D)
+    k = (k_cache.reshape(-1, H_kv, D).index_select(0, slots.view(-1))
+         .view(B, -1, H_kv, D).transpose(1, 2))
+    v = (v_cache.reshape(-1, H_kv, D).index_select(0, slots.view(-1))
+         .view(B, -1, H_kv, D).transpose(1, 2))
+    # (B, H_kv, G, D): the GQA group of each KV head
+    qg = q.reshape(B, H_kv, H_q // H_kv, D).float()
+    out = F.scaled_dot_product_attention(qg, k.float(), v.float(), attn_mask=ok[:, None, None],
+                                         scale=scale)
+    # an empty sequence (no first token) outputs zeros
+    out = torch.where(ok[:, :1, None, None], out, 0.0)
     return out.view(B, H_q, D).to(q.dtype)
 
 
@@ -409,7 +426,8 @@ def _make_problem(B, H_kv, G, D, page_size, context, budget_pages, dtype, device
 
 
 def _bytes_read(k_cache, page_table, seq_lens, sel, n_sel):
-    """Bytes of K and V that a page-reading kernel actually loads: valid tokens of selected pages."""
+    """Bytes of K and V that a page-reading kernel actually loads: valid tokens of selected
+    pages."""
     _, P, H_kv, D = k_cache.shape
     slot_ok = torch.arange(sel.shape[2], device=sel.device) < n_sel[..., None]
     tokens = (seq_lens.long()[:, None, None] - sel.long() * P).clamp(0, P) * slot_ok
@@ -421,7 +439,8 @@ def _bench_cuda(configs):
 
     flex = torch.compile(flex_attention, dynamic=False)
     print(f"{'B':>3} {'Hkv':>3} {'G':>2} {'D':>4} {'ctx':>6} {'pages':>6} | "
-          f"{'kernel us':>9} {'GB/s':>6} | {'SDPA dense us':>13} {'GB/s':>6} | {'flex us':>8} {'GB/s':>6}")
+          f"{'kernel us':>9} {'GB/s':>6} | {'SDPA dense us':>13} {'GB/s':>6} | {'flex us':>8} "
+          f"{'GB/s':>6}")
     for B, H_kv, G, D, page_size, context, budget in configs:
         q, k_cache, v_cache, page_table, seq_lens, sel, n_sel = _make_problem(
             B, H_kv, G, D, page_size, context, budget, torch.bfloat16, "cuda")
@@ -446,7 +465,8 @@ def _bench_cuda(configs):
             mask_mod=lambda b, h, q_idx, kv_idx: kv_idx < seq_lens[b])
         q_groups = q.view(B, H_kv, G, D)
 
-        run_kernel = lambda: block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel)
+        run_kernel = lambda: block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel,
+                                                 n_sel)
         run_sdpa = lambda: F.scaled_dot_product_attention(q4, kc, vc, scale=scale, enable_gqa=True)
         run_flex = lambda: flex(q_groups, kc, vc, block_mask=block_mask, scale=scale)
         flex_err = (run_flex().reshape(B, H_kv * G, D).float() - ref.float()).abs().max().item()
@@ -454,7 +474,8 @@ def _bench_cuda(configs):
 
         sparse_bytes = _bytes_read(k_cache, page_table, seq_lens, sel, n_sel)
         dense_bytes = kc.numel() * kc.element_size() * 2
-        t_kernel, t_sdpa, t_flex = (triton.testing.do_bench(f) * 1e3 for f in (run_kernel, run_sdpa, run_flex))
+        t_kernel, t_sdpa, t_flex = (triton.testing.do_bench(f) * 1e3
+                                    for f in (run_kernel, run_sdpa, run_flex))
         gbs = lambda nbytes, us: nbytes / us / 1e3
         print(f"{B:>3} {H_kv:>3} {G:>2} {D:>4} {context:>6} {int(n_sel.max()):>6} | "
               f"{t_kernel:>9.1f} {gbs(sparse_bytes, t_kernel):>6.0f} | "

@@ -1,6 +1,7 @@
-"""The rollout copy (copies.py) and N:M masks (sparsity.py): masks keep the n largest of every m inputs, fp8 weights
-stay within e4m3's rounding, both FP8Linear paths compute the same thing, refresh tracks the policy in place, and
-each form's log-prob mismatch against the policy is finite and ordered (same < bf16 < fp8 < 2:4)."""
+"""The rollout copy (copies.py) and N:M masks (sparsity.py): masks keep the n largest of every m
+inputs, fp8 weights stay within e4m3's rounding, both FP8Linear paths compute the same thing,
+refresh tracks the policy in place, and each form's log-prob mismatch against the policy is finite
+and ordered (same < bf16 < fp8 < 2:4)."""
 import pytest
 import torch
 import torch.nn as nn
@@ -24,12 +25,14 @@ def one_thread():
 
 
 def sharp_model(seed=0, moe=False, std=0.3):
-    """A tiny model with weights large enough that its next-token distributions are peaked, as a trained model's
-    are (at the default init every log-prob is about -log V and every form looks harmless)."""
+    """A tiny model with weights large enough that its next-token distributions are peaked, as a
+    trained model's are (at the default init every log-prob is about -log V and every form looks
+    harmless)."""
     torch.manual_seed(seed)
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if moe else {}
-    m = Transformer(ModelConfig(vocab_size=30, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, intermediate_size=64, **extra)).eval()
+    m = Transformer(ModelConfig(vocab_size=30, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                intermediate_size=64, **extra)).eval()
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
@@ -75,8 +78,10 @@ def test_apply_nm_zeros_exactly_the_masked_weights():
     m = sharp_model(moe=True)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     masks = apply_nm(m, 2, 4)
-    assert {"model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.0.self_attn.q_proj.weight"} <= set(masks)
-    assert not any("lm_head" in k or k.endswith("mlp.gate.weight") for k in masks)  # head and router stay dense
+    assert {"model.layers.0.mlp.experts.0.gate_proj.weight",
+            "model.layers.0.self_attn.q_proj.weight"} <= set(masks)
+    # head and router stay dense
+    assert not any("lm_head" in k or k.endswith("mlp.gate.weight") for k in masks)
     for k, v in m.state_dict().items():
         if k in masks:
             assert torch.equal(v, before[k] * masks[k]) and (v[masks[k]] != 0).all()
@@ -92,7 +97,8 @@ def test_fp8_weights_within_e4m3_rounding():
     q, s = quantize_fp8(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (16,)
     deq = q.float() * s[:, None]
-    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of the value; below 2^-6 (subnormals) it is 2^-10 absolute
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of the
+    # value; below 2^-6 (subnormals) it is 2^-10 absolute
     bound = torch.maximum(w.abs() * 2**-4, s[:, None] * 2**-10) * (1 + 1e-6)
     assert ((deq - w).abs() <= bound).all()
     assert torch.allclose(deq.abs().amax(1), w.abs().amax(1), rtol=1e-6)  # each row's amax is exact
@@ -103,10 +109,12 @@ def test_fp8_linear_matches_linear_and_scaled_mm_path():
     lin = nn.Linear(64, 48, bias=True)
     f = FP8Linear.from_linear(lin)
     x = torch.randn(2, 5, 64)
-    ref = F.linear(fp8_round(x), f.dequantized(), lin.bias)  # the dequantised weight on fp8-rounded inputs
+    # the dequantised weight on fp8-rounded inputs
+    ref = F.linear(fp8_round(x), f.dequantized(), lin.bias)
     assert torch.allclose(f(x), ref, atol=1e-5, rtol=1e-5)
     assert f(x).shape == (2, 5, 48)
-    xb = x.bfloat16()  # the copy runs in bf16: torch._scaled_mm (the CPU has a reference one) against simulation
+    # the copy runs in bf16: torch._scaled_mm (the CPU has a reference one) against simulation
+    xb = x.bfloat16()
     f.bias = nn.Parameter(lin.bias.detach().bfloat16())
     f.scaled_mm = True
     real = f(xb)
@@ -120,14 +128,17 @@ def test_fp8_copy_logits_close_and_refresh_tracks_policy():
     policy = sharp_model(std=0.1)
     copy = make_rollout_copy(policy, "fp8")
     fp8 = {k: v for k, v in copy.named_modules() if isinstance(v, FP8Linear)}
-    assert len(fp8) == 2 * 7 and not isinstance(copy.lm_head, FP8Linear)  # 7 Linear per block, head kept
-    assert copy.lm_head.weight.dtype == torch.bfloat16  # the engine takes its KV-cache dtype from the head
+    # 7 Linear per block, head kept
+    assert len(fp8) == 2 * 7 and not isinstance(copy.lm_head, FP8Linear)
+    # the engine takes its KV-cache dtype from the head
+    assert copy.lm_head.weight.dtype == torch.bfloat16
     assert copy.lm_head.weight is copy.model.embed_tokens.weight  # ties survive the copy
     idx = torch.randint(2, 30, (2, 16))
     with torch.no_grad():
         diff, top = (copy(idx) - policy(idx)).abs().max().item(), policy(idx).abs().max().item()
     print(f"fp8 copy: max |logit diff| {diff:.4f} against logits up to {top:.2f}")
-    assert diff < 0.2 * top  # measured about 0.1 * top: e4m3's 2^-4 rounding on weights and inputs, 2 layers
+    # measured about 0.1 * top: e4m3's 2^-4 rounding on weights and inputs, 2 layers
+    assert diff < 0.2 * top
     ptrs = {k: v.data_ptr() for k, v in copy.state_dict().items()}
     with torch.no_grad():
         for p in policy.parameters():
@@ -136,7 +147,8 @@ def test_fp8_copy_logits_close_and_refresh_tracks_policy():
     assert {k: v.data_ptr() for k, v in copy.state_dict().items()} == ptrs  # in place: same tensors
     for k, mod in fp8.items():
         q, s = quantize_fp8(policy.get_submodule(k).weight)
-        assert torch.equal(mod.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(mod.weight_scale, s)
+        assert (torch.equal(mod.weight.view(torch.uint8), q.view(torch.uint8))
+                and torch.equal(mod.weight_scale, s))
     assert torch.equal(copy.model.norm.weight, policy.model.norm.weight.bfloat16())
     with torch.no_grad():
         assert (copy(idx) - policy(idx)).abs().max().item() < 0.2 * policy(idx).abs().max().item()
@@ -161,7 +173,8 @@ def test_refresh_equals_bf16_sync_and_nm_masks_follow_weights():
 
 
 def test_forms_are_checked():
-    assert parse_form("2:4")[3] == parse_form("nm")[3] == "nm2:4" and parse_form("nm1:8")[1:3] == (1, 8)
+    assert (parse_form("2:4")[3] == parse_form("nm")[3] == "nm2:4"
+            and parse_form("nm1:8")[1:3] == (1, 8))
     for bad in ("fp16", "nm4:2", "nm0:4", "int8"):
         with pytest.raises(ValueError, match="rollout copy form"):
             parse_form(bad)
@@ -170,9 +183,10 @@ def test_forms_are_checked():
     with pytest.raises(ValueError, match="made as 'bf16'"):
         refresh_rollout_copy(copy, policy, "fp8")
     with pytest.raises(KeyError, match="lm_head"):
-        refresh_rollout_copy(copy, {k: v for k, v in policy.state_dict().items() if k != "lm_head.weight"})
+        refresh_rollout_copy(copy, {k: v for k, v in policy.state_dict().items()
+                                    if k != "lm_head.weight"})
 
-# ----------------------------------------------------------------------------- mismatch and generation
+# -------------------------------------------------------------------------- mismatch and generation
 
 
 def test_mismatch_is_ordered_and_every_form_generates():
@@ -189,26 +203,29 @@ def test_mismatch_is_ordered_and_every_form_generates():
         assert (copy is policy) == (form == "same")
         assert not any(p.requires_grad for p in copy.parameters()) or form == "same"
         with torch.no_grad():
-            d = copy(idx).log_softmax(-1).gather(-1, tgt[..., None])[..., 0] - ref  # log p_rollout - log p_train
+            # log p_rollout - log p_train
+            d = copy(idx).log_softmax(-1).gather(-1, tgt[..., None])[..., 0] - ref
         assert torch.isfinite(d).all()
         ratio = (-d).exp()  # p_train / p_rollout, what TIS truncates
         gap[form] = d.abs().mean().item()
         print(f"{describe_copy(copy)} | mean |dlogp| {gap[form]:.4f}, max {d.abs().max():.4f}, "
               f"p5 of min(1, ratio) {ratio.clamp(max=1).quantile(0.05):.3f}")
-        ro = Engine(copy, tok, max_new_tokens=8, temperature=1.0).generate(PROMPTS, group_size=2, seed=0)
+        ro = (Engine(copy, tok, max_new_tokens=8, temperature=1.0)
+              .generate(PROMPTS, group_size=2, seed=0))
         assert torch.isfinite(ro.logp[ro.mask]).all() and (ro.logp[ro.mask] <= 0).all()
         assert ro.tokens[ro.mask].max() < 30
     assert gap["same"] == 0 and 0 < gap["bf16"] < gap["fp8"] < gap["nm2:4"]
 
 
 def test_fp8_moe_copy_generates_and_reports_its_own_logprobs():
-    """The engine's log-probs for a copy are the copy's own (what TIS divides by), not the policy's. They are not
-    bit-equal to the copy's teacher-forced ones: paged decode and a full forward round differently in bf16, and
-    fp8 rounding of the inputs turns those small differences into steps."""
+    """The engine's log-probs for a copy are the copy's own (what TIS divides by), not the policy's.
+    They are not bit-equal to the copy's teacher-forced ones: paged decode and a full forward round
+    differently in bf16, and fp8 rounding of the inputs turns those small differences into steps."""
     policy, tok = sharp_model(moe=True, std=0.1), CharTok()
     copy = make_rollout_copy(policy, "fp8")
     assert "fp8 W8A8 (simulated)" in describe_copy(copy)
-    ro = Engine(copy, tok, max_new_tokens=8, temperature=1.0).generate(PROMPTS, group_size=2, seed=3)
+    ro = (Engine(copy, tok, max_new_tokens=8, temperature=1.0)
+          .generate(PROMPTS, group_size=2, seed=3))
     to_copy = to_policy = 0.0
     for i in range(len(ro)):
         n, p = int(ro.mask[i].sum()), torch.tensor(PROMPTS[i // 2])
@@ -218,5 +235,6 @@ def test_fp8_moe_copy_generates_and_reports_its_own_logprobs():
                                   for m in (copy, policy))
         to_copy = max(to_copy, (ro.logp[i, :n] - lp_copy).abs().max().item())
         to_policy = max(to_policy, (ro.logp[i, :n] - lp_policy).abs().max().item())
-    print(f"fp8 MoE engine log-probs: max gap {to_copy:.4f} to the copy's forward, {to_policy:.4f} to the policy's")
+    print(f"fp8 MoE engine log-probs: max gap {to_copy:.4f} to the copy's forward, {to_policy:.4f} "
+          f"to the policy's")
     assert to_copy < 0.1 and to_copy < to_policy / 2

@@ -1,11 +1,12 @@
-"""DistillSparse: the replay of recorded page selections reproduces the sparse engine's log-probs, the adapter
-is off for the policy, and training it pulls the sparse policy toward the dense one (alpha's tail rises)."""
+"""DistillSparse: the replay of recorded page selections reproduces the sparse engine's log-probs,
+the adapter is off for the policy, and training it pulls the sparse policy toward the dense one
+(alpha's tail rises)."""
 import torch
 
 from distill import DistillSparse, ReplayCache, replay_logprobs
 from model import ModelConfig, Transformer
 from rollout import Engine
-from sparsity import alpha_sample, dense_logprobs, fixed_budget
+from sparsity import dense_logprobs, fixed_budget
 from tests.test_rollout import CharTok
 
 PROMPTS = [[3 + (i * 7 + j * 3) % 26 for j in range(n)] for i, n in enumerate([21, 13, 30])]
@@ -13,8 +14,9 @@ PROMPTS = [[3 + (i * 7 + j * 3) % 26 for j in range(n)] for i, n in enumerate([2
 
 def model4(seed=0):
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(vocab_size=30, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8, intermediate_size=64)).eval()
+    return Transformer(ModelConfig(vocab_size=30, hidden_size=32, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   intermediate_size=64)).eval()
 
 
 def batch(ro):
@@ -25,8 +27,9 @@ def batch(ro):
 
 
 def sparse_rollouts(m, seed=0, G=4):
-    eng = Engine(m, CharTok(), max_new_tokens=24, temperature=1.0, page_size=4, sparse=fixed_budget(3),
-                 keep_recent=1, dense_layers=1, record_pages=True, eos_ids=[])
+    eng = Engine(m, CharTok(), max_new_tokens=24, temperature=1.0, page_size=4,
+                 sparse=fixed_budget(3), keep_recent=1, dense_layers=1, record_pages=True,
+                 eos_ids=[])
     return eng.generate(PROMPTS, G, seed=seed)
 
 
@@ -34,7 +37,8 @@ def test_replay_reproduces_the_sparse_engine():
     m = model4()
     ro = sparse_rollouts(m)
     assert ro.read_pages.shape[:3] == (12, ro.tokens.shape[1], 2) and not ro.read_pages[:, 0].any()
-    assert ro.read_pages[:, 1:].sum(-1).le(3 + 1).all()  # fixed budget 3 (the partial page may add one)
+    # fixed budget 3 (the partial page may add one)
+    assert ro.read_pages[:, 1:].sum(-1).le(3 + 1).all()
     ids, tmask, plen = batch(ro)
     with torch.no_grad():
         lp, full = replay_logprobs(m, ids, tmask, ro.read_pages, plen, page_size=4, dense_layers=1)
@@ -42,7 +46,8 @@ def test_replay_reproduces_the_sparse_engine():
     got = torch.zeros_like(ro.logp)
     got[ro.mask] = lp[tmask]
     assert torch.allclose(got, ro.logp, atol=1e-5, rtol=0)
-    assert (got - dense).abs().max() > 1e-3  # the budget is small enough that sparse differs from dense
+    # the budget is small enough that sparse differs from dense
+    assert (got - dense).abs().max() > 1e-3
     assert torch.allclose(full.exp().sum(-1), torch.ones(full.shape[0]), atol=1e-5)
 
 
@@ -50,9 +55,11 @@ def test_replay_mask_is_causal_and_dense_in_the_prompt():
     read = torch.zeros(1, 3, 1, 1, 4, dtype=torch.bool)
     read[0, 1, 0, 0, 0] = read[0, 2, 0, 0, 2] = True  # token 1 read page 0; token 2 read page 2
     m = ReplayCache(read, [5], page_size=2, dense_layers=0).mask(0, 7, "cpu")[0, 0]
-    assert torch.equal(m[:5], torch.ones(7, 7, dtype=torch.bool).tril()[:5])  # prompt and token 0: causal
+    # prompt and token 0: causal
+    assert torch.equal(m[:5], torch.ones(7, 7, dtype=torch.bool).tril()[:5])
     assert m[5].tolist() == [True, True] + [False] * 5  # query 5 produced token 1: page 0 only
-    assert m[6].tolist() == [False] * 4 + [True, True, False]  # query 6 produced token 2: page 2 only
+    # query 6 produced token 2: page 2 only
+    assert m[6].tolist() == [False] * 4 + [True, True, False]
 
 
 def test_adapter_starts_as_the_policy_and_refresh_keeps_it():
@@ -74,8 +81,9 @@ def test_adapter_starts_as_the_policy_and_refresh_keeps_it():
 
 
 def test_distillation_raises_alpha_at_a_fixed_budget():
-    """On a fixed batch of sparse rollouts: the adapter's steps lower KL(dense || sparse) and raise the tail of
-    the exact per-position alpha (sum_v min(p_dense, p_sparse), from the replay's full distributions)."""
+    """On a fixed batch of sparse rollouts: the adapter's steps lower KL(dense || sparse) and raise
+    the tail of the exact per-position alpha (sum_v min(p_dense, p_sparse), from the replay's full
+    distributions)."""
     from sparsity import alpha_exact
     from update import token_logprobs
     m = model4(seed=1)
@@ -94,20 +102,24 @@ def test_distillation_raises_alpha_at_a_fixed_budget():
     kl = [ds.update(ids, tmask, ro.read_pages, plen, dense_full)["distill_kl"] for _ in range(10)]
     after = alpha()
     assert kl[-1] < 0.5 * kl[0], kl
-    gap_before, gap_after = 1 - before.quantile(0.05), 1 - after.quantile(0.05)  # the tail's distance from 1
+    # the tail's distance from 1
+    gap_before, gap_after = 1 - before.quantile(0.05), 1 - after.quantile(0.05)
     assert gap_after < 0.7 * gap_before and after.mean() > before.mean(), (gap_before, gap_after)
 
 
 def test_step_on_pads_the_page_records_of_refill_tries_to_one_shape():
-    """Kept groups from two refill tries: records of different lengths and page counts, one longer than any kept
-    row's prompt + completion (its try's longest row was in a dropped group)."""
+    """Kept groups from two refill tries: records of different lengths and page counts, one longer
+    than any kept row's prompt + completion (its try's longest row was in a dropped group)."""
     ds = DistillSparse(model4(), r=4, page_size=4, dense_layers=1)
     torch.manual_seed(0)
-    a, b = torch.rand(2, 10, 2, 2, 5) > 0.5, torch.rand(2, 4, 2, 2, 7) > 0.5  # (rows, Tc, layers, H_kv, pages)
+    # (rows, Tc, layers, H_kv, pages)
+    a, b = torch.rand(2, 10, 2, 2, 5) > 0.5, torch.rand(2, 4, 2, 2, 7) > 0.5
     kept = [(0, None, None, None, None, a), (1, None, None, None, None, b)]
     got = {}
-    ds.update = lambda ids, tmask, pages, plen, dense_full, pg=None: got.update(pages=pages, plen=plen)
-    ds.step_on(kept, [3, 2], 2, torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, 6, dtype=torch.bool), None)
+    ds.update = (lambda ids, tmask, pages, plen, dense_full, pg=None:
+                 got.update(pages=pages, plen=plen))
+    ds.step_on(kept, [3, 2], 2, torch.zeros(4, 6, dtype=torch.long),
+               torch.zeros(4, 6, dtype=torch.bool), None)
     p = got["pages"]
     assert p.shape == (4, 10, 2, 2, 7) and got["plen"].tolist() == [3, 3, 2, 2]
     assert torch.equal(p[:2, :, :, :, :5], a) and not p[:2, :, :, :, 5:].any()

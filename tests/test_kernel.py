@@ -20,20 +20,22 @@ import torch.nn.functional as F
 
 import kernels.block_sparse_decode as bsd
 
-if bsd._INTERPRET != (os.environ["TRITON_INTERPRET"] == "1"):  # imported earlier under the other mode
+if bsd._INTERPRET != (os.environ["TRITON_INTERPRET"] == "1"):
+    # imported earlier under the other mode
     bsd = importlib.reload(bsd)
 
-from kernels.block_sparse_decode import (block_sparse_decode, block_sparse_decode_ref, decode_attention,
-                                         dense_selection, default_num_splits)
+from kernels.block_sparse_decode import (block_sparse_decode, block_sparse_decode_ref,
+                                         decode_attention, dense_selection, default_num_splits)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_case(seq_lens, H_kv=2, G=2, D=64, page_size=16, dtype=torch.float32, sparse=False,
               past_end=False, seed=0):
-    """A paged cache for sequences of the given lengths, with shuffled physical pages, a selection per
-    (sequence, KV head) in random order, and traps: NaN in every slot that must not be read (spare
-    pages, the tail of partial pages), -1 in unused page-table entries, junk in the padding of sel."""
+    """A paged cache for sequences of the given lengths, with shuffled physical pages, a selection
+    per (sequence, KV head) in random order, and traps: NaN in every slot that must not be read
+    (spare pages, the tail of partial pages), -1 in unused page-table entries, junk in the padding
+    of sel."""
     gen = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
     n_pages = [-(-n // page_size) for n in seq_lens]  # pages each sequence uses
@@ -55,7 +57,8 @@ def make_case(seq_lens, H_kv=2, G=2, D=64, page_size=16, dtype=torch.float32, sp
             v_cache[phys, :t1 - t0] = v_dense[b, :, t0:t1].transpose(0, 1)
 
     max_sel = max_pages + 2
-    sel = torch.randint(-7, 1000, (B, H_kv, max_sel), generator=gen, dtype=torch.int32)  # junk padding
+    # junk padding
+    sel = torch.randint(-7, 1000, (B, H_kv, max_sel), generator=gen, dtype=torch.int32)
     n_sel = torch.zeros(B, H_kv, dtype=torch.int32)
     for b in range(B):
         for h in range(H_kv):
@@ -63,13 +66,15 @@ def make_case(seq_lens, H_kv=2, G=2, D=64, page_size=16, dtype=torch.float32, sp
             if sparse and n_pages[b] > 1:
                 pages = pages[:int(torch.randint(1, n_pages[b], (1,), generator=gen))]
             if past_end:  # a page at the end of the table: no tokens, table entry -1
-                pages = torch.cat([pages, torch.tensor([max_pages - 1])])[torch.randperm(len(pages) + 1, generator=gen)]
+                pages = torch.cat([pages, torch.tensor([max_pages - 1])])[
+                    torch.randperm(len(pages) + 1, generator=gen)]
             sel[b, h, :len(pages)] = pages
             n_sel[b, h] = len(pages)
 
     q = torch.randn(B, G * H_kv, D, generator=gen)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
-    case = dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, seq_lens=seq_lens, sel=sel, n_sel=n_sel)
+    case = dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, seq_lens=seq_lens,
+                sel=sel, n_sel=n_sel)
     case = {k: v.to(dtype) if v.is_floating_point() else v for k, v in case.items()}
     return case, k_dense, v_dense
 
@@ -102,7 +107,8 @@ def test_reference_full_selection_equals_sdpa(G, D):
 
 def test_reference_sparse_equals_sdpa_on_selected_tokens():
     """With a sparse selection the reference is dense attention restricted to the selected pages."""
-    case, k_dense, v_dense = make_case([45, 29], H_kv=2, G=2, D=64, sparse=True, past_end=True, seed=3)
+    case, k_dense, v_dense = make_case([45, 29], H_kv=2, G=2, D=64, sparse=True, past_end=True,
+                                       seed=3)
     out = block_sparse_decode_ref(**case)
     T = k_dense.shape[2]
     page_of = torch.arange(T) // 16
@@ -145,14 +151,16 @@ def test_kernel_split_path(num_splits, dtype):
 
 def test_kernel_more_splits_than_pages():
     case, _, _ = make_case([20, 3], H_kv=1, G=4, D=64, sparse=True, seed=1)
-    assert_close(block_sparse_decode(**case, num_splits=5), block_sparse_decode_ref(**case), torch.float32)
+    assert_close(block_sparse_decode(**case, num_splits=5), block_sparse_decode_ref(**case),
+                 torch.float32)
 
 
 @pytest.mark.parametrize("page_size,tile", [(8, 32), (16, 16), (16, 64), (64, 32)])
 def test_kernel_page_and_tile_sizes(page_size, tile, monkeypatch):
     """Several pages per tile, exactly one, and a page split over two tiles."""
     monkeypatch.setitem(bsd.FP32_CONFIG, "tile_tokens", tile)
-    case, _, _ = make_case([100, 61], H_kv=2, G=2, D=64, page_size=page_size, sparse=True, seed=page_size)
+    case, _, _ = make_case([100, 61], H_kv=2, G=2, D=64, page_size=page_size, sparse=True,
+                           seed=page_size)
     assert_close(block_sparse_decode(**case), block_sparse_decode_ref(**case), torch.float32)
 
 
@@ -181,7 +189,8 @@ def test_pages_past_the_end_contribute_nothing():
     without = {**case, "sel": case["sel"].clone(), "n_sel": case["n_sel"].clone()}
     for b in range(2):
         for h in range(2):
-            chosen = [p for p in case["sel"][b, h, :case["n_sel"][b, h]].tolist() if p * 16 < case["seq_lens"][b]]
+            chosen = [p for p in case["sel"][b, h, :case["n_sel"][b, h]].tolist()
+                      if p * 16 < case["seq_lens"][b]]
             without["sel"][b, h, :len(chosen)] = torch.tensor(chosen)
             without["n_sel"][b, h] = len(chosen)
     assert (without["n_sel"] < case["n_sel"]).all()
@@ -206,11 +215,13 @@ def test_selection_order_does_not_matter():
 def test_empty_sequence_and_empty_selection_give_zeros(num_splits):
     case, _, _ = make_case([0, 30, 30], H_kv=2, G=2, D=64, seed=8)
     case["n_sel"][2, 1] = 0  # one head of one sequence reads nothing
-    for fn in (block_sparse_decode_ref, lambda **c: block_sparse_decode(**c, num_splits=num_splits)):
+    for fn in (block_sparse_decode_ref,
+               lambda **c: block_sparse_decode(**c, num_splits=num_splits)):
         out = fn(**case)
         assert (out[0] == 0).all() and (out[2, 2:4] == 0).all()
         assert (out[1] != 0).any() and (out[2, 0:2] != 0).any()
-    assert_close(block_sparse_decode(**case, num_splits=num_splits), block_sparse_decode_ref(**case), torch.float32)
+    assert_close(block_sparse_decode(**case, num_splits=num_splits),
+                 block_sparse_decode_ref(**case), torch.float32)
 
 
 def test_decode_attention_dispatch_and_dense_default():
@@ -245,8 +256,8 @@ def _run_without_interpreter(script):
 
 
 def test_kernels_compile_for_hopper():
-    """Compile both kernels to sm_90 machine code, no GPU needed: the tensor-core path (bf16) and the
-    exact fp32 path, each with a GQA group below tl.dot's minimum of 16 rows."""
+    """Compile both kernels to sm_90 machine code, no GPU needed: the tensor-core path (bf16) and
+    the exact fp32 path, each with a GQA group below tl.dot's minimum of 16 rows."""
     pytest.importorskip("triton.backends.nvidia")
     _run_without_interpreter("""
         import triton
@@ -263,14 +274,18 @@ def test_kernels_compile_for_hopper():
                     sig[p.name] = "*" + pointers[p.name]
                 else:
                     sig[p.name] = "fp32" if p.name == "qk_scale" else "i32"
-            return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+            return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                                  options=options)
 
-        for dt, upcast, G, D, page, tile in [("bf16", False, 2, 128, 16, 64), ("fp32", True, 8, 64, 64, 32)]:
-            ptrs = dict(Q=dt, K=dt, V=dt, Out=dt, Lse="fp32", PageTable="i32", SeqLens="i32", Sel="i32", NSel="i32")
+        for dt, upcast, G, D, page, tile in [("bf16", False, 2, 128, 16, 64),
+                                             ("fp32", True, 8, 64, 64, 32)]:
+            ptrs = dict(Q=dt, K=dt, V=dt, Out=dt, Lse="fp32", PageTable="i32", SeqLens="i32",
+                        Sel="i32", NSel="i32")
             chunk = min(page, tile)
             k = compile(bsd._block_sparse_decode_kernel, ptrs, dict(
                 G=G, HEAD_DIM=D, PAGE_SIZE=page, BLOCK_G=16, BLOCK_D=D, BLOCK_N=tile, CHUNK=chunk,
-                CHUNKS_PER_PAGE=page // chunk, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32"),
+                CHUNKS_PER_PAGE=page // chunk, UPCAST=upcast,
+                DOT_PRECISION="ieee" if upcast else "tf32"),
                 num_warps=4, num_stages=2)
             assert ("mma" in k.asm["ptx"]) == (not upcast)  # tensor cores only on the half path
             assert len(k.asm["cubin"]) > 0
@@ -288,9 +303,10 @@ def test_kernel_on_gpu():
         import tests.test_kernel as t
         from kernels.block_sparse_decode import block_sparse_decode, block_sparse_decode_ref
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            for G, D, page, splits in [(1, 64, 16, None), (2, 128, 16, 1), (4, 128, 64, 3), (8, 64, 16, 2)]:
-                case, _, _ = t.make_case([300, 17, 129, 64], H_kv=2, G=G, D=D, page_size=page, dtype=dtype,
-                                         sparse=G % 2 == 0, past_end=True, seed=G)
+            for G, D, page, splits in [(1, 64, 16, None), (2, 128, 16, 1), (4, 128, 64, 3),
+                                       (8, 64, 16, 2)]:
+                case, _, _ = t.make_case([300, 17, 129, 64], H_kv=2, G=G, D=D, page_size=page,
+                                         dtype=dtype, sparse=G % 2 == 0, past_end=True, seed=G)
                 case = {k: v.cuda() for k, v in case.items()}
                 out = block_sparse_decode(**case, num_splits=splits)
                 ref = block_sparse_decode_ref(**case)
@@ -302,8 +318,9 @@ def test_kernel_on_gpu():
 
 @pytest.mark.parametrize("H_kv,G", [(2, 1), (2, 4), (1, 8)])
 def test_cpu_dense_path_equals_the_reference(H_kv, G):
-    """decode_attention's CPU dense path (one gather, fused SDPA) against the reference reading every page: GQA
-    groups, ragged lengths, a partial last page, an empty sequence, NaN traps in the slots it must not read."""
+    """decode_attention's CPU dense path (one gather, fused SDPA) against the reference reading
+    every page: GQA groups, ragged lengths, a partial last page, an empty sequence, NaN traps in the
+    slots it must not read."""
     case, _, _ = make_case([0, 1, 17, 40], H_kv=H_kv, G=G, D=64, seed=13)
     dense = {k: v for k, v in case.items() if k not in ("sel", "n_sel")}
     sel, n_sel = dense_selection(case["page_table"], case["seq_lens"], H_kv, 16)

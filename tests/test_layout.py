@@ -1,5 +1,6 @@
-"""The house rules, read from the source with `ast`: imports run down the stages and never in a circle, no stage
-file imports train.py, files and functions stay short enough to read, and Config holds only its keys."""
+"""The house rules, read from the source with `ast`: imports run down the stages and never in a
+circle, no stage file imports train.py, files and functions stay short enough to read, and Config
+holds only its keys."""
 import ast
 import dataclasses
 import os
@@ -10,14 +11,16 @@ from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Top to bottom: a module may import only modules below it. train.py at the top; then the CLI of calibrate.py
-# (which builds the policy as a run would); then what builds a run; the stages; the leaves.
-ORDER = ["train", "calibrate", "warmstart", "parallel", "checkpoint", "distill", "update", "copies", "sync",
-         "rollout", "kernels.block_sparse_decode", "sparsity", "prompts", "reward", "sandbox", "tasks", "model",
-         "config"]
+# Top to bottom: a module may import only modules below it. train.py at the top; then the CLI of
+# calibrate.py (which builds the policy as a run would); then what builds a run; the stages; the
+# leaves.
+ORDER = ["train", "calibrate", "warmstart", "parallel", "checkpoint", "distill", "update", "copies",
+         "sync", "rollout", "kernels.block_sparse_decode", "sparsity", "prompts", "reward",
+         "sandbox", "tasks", "model", "config"]
 CORE_MAX_LINES = 650
 FUNCTION_MAX_LINES = 80
-EXEMPT_FUNCTIONS = {"_block_sparse_decode_kernel"}  # the Triton kernel: one body, as the compiler wants it
+# the Triton kernel: one body, as the compiler wants it
+EXEMPT_FUNCTIONS = {"_block_sparse_decode_kernel"}
 
 
 def module_path(name):
@@ -51,7 +54,8 @@ def test_every_top_level_module_is_placed():
 def test_imports_run_down_the_stages(name):
     below = set(ORDER[ORDER.index(name) + 1:])
     up = local_imports(name) - below
-    assert not up, f"{name} imports {sorted(up)}, which sit above it (an import circle or a step back up)"
+    assert not up, (f"{name} imports {sorted(up)}, which sit above it (an import circle or a step "
+                    f"back up)")
 
 
 def test_no_import_circles():

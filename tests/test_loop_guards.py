@@ -102,3 +102,12 @@ def test_a_diverged_run_exits_2_with_one_line(tmp_path):
     r = subprocess.run([sys.executable, "tests/fake_reward.py", *TINY_RUN, "--steps=6", "--lr=1e30", "--max_skipped=2",
                         f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "error: stopped at step" in r.stderr
+
+
+def test_the_signal_bench_stops_early_on_the_default_schedule():
+    from bench import signal
+    for quick in (True, False):
+        cfg, default = config.parse_config(signal.ARGS[quick]), config.parse_config([])
+        assert cfg.steps == default.steps and 0 < cfg.stop_at < cfg.steps
+        assert [update.lr_at(cfg, s) for s in range(cfg.stop_at)] == [update.lr_at(default, s)
+                                                                       for s in range(cfg.stop_at)]

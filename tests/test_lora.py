@@ -1,5 +1,6 @@
-"""Stage 4 LoRA: our adapter files load in PEFT (and PEFT's in ours) with the same logits, merging and disabling are
-exact, only the adapter trains, the KV-cache engine still matches the naive loop, and a LoRA checkpoint is a plain one."""
+"""Stage 4 LoRA: our adapter files load in PEFT (and PEFT's in ours) with the same logits, merging
+and disabling are exact, only the adapter trains, the KV-cache engine still matches the naive loop,
+and a LoRA checkpoint is a plain one."""
 import copy
 
 import pytest
@@ -8,11 +9,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import sync
-from model import (LoRALinear, ModelConfig, Transformer, add_lora, load_adapter, lora_state_dict, merge_lora,
-                   merged_state_dict, save_adapter, set_lora_enabled)
+from model import (LoRALinear, ModelConfig, Transformer, add_lora, load_adapter, lora_state_dict,
+                   merge_lora, merged_state_dict, save_adapter, set_lora_enabled)
 from rollout import Engine, generate_naive
 
-class CharTok:  # the smallest tokenizer the engine needs (as in test_rollout.py): 0 pad, 1 eos, then characters
+class CharTok:
+    # the smallest tokenizer the engine needs (as in test_rollout.py): 0 pad, 1 eos, then characters
     pad_token_id, eos_token_id = 0, 1
 
     def batch_decode(self, rows, skip_special_tokens=True):
@@ -22,10 +24,11 @@ class CharTok:  # the smallest tokenizer the engine needs (as in test_rollout.py
 def tiny(moe=False, tie=False, seed=0):
     torch.manual_seed(seed)
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if moe else {}
-    m = Transformer(ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, intermediate_size=64, tie_word_embeddings=tie,
-                                **extra))
-    with torch.no_grad():  # norms at exactly 1 and tiny weights would hide mistakes: randomise everything
+    m = Transformer(ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                intermediate_size=64, tie_word_embeddings=tie, **extra))
+    with torch.no_grad():
+        # norms at exactly 1 and tiny weights would hide mistakes: randomise everything
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     return m.eval()
@@ -51,11 +54,13 @@ IDX = torch.randint(2, 40, (2, 13), generator=torch.Generator().manual_seed(1))
 @pytest.mark.parametrize("moe", [False, True])
 def test_peft_loads_our_adapter(tmp_path, moe):
     import peft
-    # MoE: our per-expert adapters must land on transformers' fused (E, out, in) expert tensors, which PEFT does on load
+    # MoE: our per-expert adapters must land on transformers'
+    # fused (E, out, in) expert tensors, which PEFT does on load
     base, ours = lora_model(moe, r=4, alpha=8)
     base.save_pretrained(tmp_path / "base")
     save_adapter(ours, tmp_path / "adapter", str(tmp_path / "base"))
-    hf = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    hf = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                        tmp_path / "adapter")
     with torch.no_grad():
         want, got, plain = hf.eval()(IDX).logits, ours(IDX), base(IDX)
     assert (got - want).abs().max().item() <= 1e-4
@@ -66,7 +71,8 @@ def test_we_load_a_peft_adapter(tmp_path):
     import peft
     base = tiny()
     base.save_pretrained(tmp_path / "base")
-    cfg = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
+    cfg = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"],
+                          task_type="CAUSAL_LM")
     hf = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), cfg)
     with torch.no_grad():
         for n, p in hf.named_parameters():
@@ -86,7 +92,8 @@ def test_merge_and_disable(moe):
     base, ours = lora_model(moe, tie=True, r=4, alpha=8)
     n_experts = sum(".experts." in n for n, _ in ours.named_modules() if n.endswith("lora_A"))
     assert n_experts == (2 * 4 * 3 if moe else 0)  # every expert's gate/up/down, not the router
-    assert type(ours.lm_head) is torch.nn.Linear and ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert (type(ours.lm_head) is torch.nn.Linear
+            and ours.lm_head.weight is ours.model.embed_tokens.weight)
     with torch.no_grad():
         unmerged, plain = ours(IDX), base(IDX)
         set_lora_enabled(ours, False)
@@ -97,7 +104,8 @@ def test_merge_and_disable(moe):
         assert not any(isinstance(m, LoRALinear) for m in merged.modules())
         assert merged.state_dict().keys() == base.state_dict().keys()
         assert (merged(IDX) - unmerged).abs().max().item() <= 1e-5
-    # the same bits as the rollout side's merge in sync.py, so a merged model and an adapter sync agree exactly
+    # the same bits as the rollout side's merge in sync.py,
+    # so a merged model and an adapter sync agree exactly
     want = sync.merge_lora(base.state_dict(), adapter, 8 / 4)
     assert all(torch.equal(v, want[k]) for k, v in merged.state_dict().items())
 
@@ -107,7 +115,8 @@ def test_only_lora_trains():
     trainable = [n for n, p in ours.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     before = {k: v.clone() for k, v in ours.state_dict().items()}
-    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)  # all parameters, as train.py passes them
+    # all parameters, as train.py passes them
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
     ours.train()
     h = ours(IDX[:, :-1], hidden=True)  # train.py's path: hidden states, then lm_head in chunks
     F.cross_entropy(ours.lm_head(h).flatten(0, 1).float(), IDX[:, 1:].flatten()).backward()
@@ -123,7 +132,8 @@ def test_kv_cache_engine_matches_naive_loop(moe):
     _, ours = lora_model(moe, r=4, alpha=8)
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
     ro = Engine(ours, CharTok(), max_new_tokens=8, temperature=0.0).generate(prompts, group_size=2)
-    ref_tok, ref_lp = generate_naive(ours, CharTok(), prompts, group_size=2, max_new_tokens=8, temperature=0.0)
+    ref_tok, ref_lp = generate_naive(ours, CharTok(), prompts, group_size=2, max_new_tokens=8,
+                                     temperature=0.0)
     for i in range(len(ro)):
         n = int(ro.mask[i].sum())
         assert ro.tokens[i, :n].tolist() == ref_tok[i]
@@ -136,7 +146,8 @@ def test_save_pretrained_writes_merged_weights(tmp_path, moe, tie):
     base, ours = lora_model(moe, tie, r=4, alpha=8)
     ours.save_pretrained(tmp_path)
     keys = load_file(tmp_path / "model.safetensors").keys()
-    assert keys == {k for k in base.state_dict() if not (tie and k == "lm_head.weight")}  # plain names only
+    # plain names only
+    assert keys == {k for k in base.state_dict() if not (tie and k == "lm_head.weight")}
     back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         want = ours(IDX)
@@ -145,7 +156,8 @@ def test_save_pretrained_writes_merged_weights(tmp_path, moe, tie):
         set_lora_enabled(ours, False)  # a disabled adapter is left out of the checkpoint
         assert torch.equal(merged_state_dict(ours)["model.layers.0.self_attn.q_proj.weight"],
                            base.state_dict()["model.layers.0.self_attn.q_proj.weight"])
-    assert any(".lora_" in k for k in ours.state_dict())  # the live model keeps its adapter (sync.py ships it)
+    # the live model keeps its adapter (sync.py ships it)
+    assert any(".lora_" in k for k in ours.state_dict())
 
 
 def test_errors_name_the_problem():
@@ -171,6 +183,7 @@ def test_errors_name_the_problem():
 def test_bf16_merge_rounds_once_like_sync():
     base, ours = lora_model(r=4, alpha=8)
     base, ours = base.to(torch.bfloat16), ours.to(torch.bfloat16)
-    want = sync.merge_lora(base.state_dict(), lora_state_dict(ours), 8 / 4)  # fp32 math, one rounding to bf16
+    # fp32 math, one rounding to bf16
+    want = sync.merge_lora(base.state_dict(), lora_state_dict(ours), 8 / 4)
     got = merge_lora(ours).state_dict()
     assert all(torch.equal(v, want[k]) for k, v in got.items())

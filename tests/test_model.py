@@ -1,24 +1,27 @@
 """Our model against transformers' implementation, on the same weights, in both directions."""
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, AutoModelForCausalLM
+from transformers import (Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          AutoModelForCausalLM)
 
 from model import Transformer, ModelConfig
 
-COMMON = dict(vocab_size=61, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256)
+COMMON = dict(vocab_size=61, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256)
 
 
 def hf_model(kind, tie, **extra):
     torch.manual_seed(0)
     if kind == "dense":
-        cfg = Qwen3Config(**COMMON, intermediate_size=96, tie_word_embeddings=tie, rope_theta=1e6, **extra)
+        cfg = Qwen3Config(**COMMON, intermediate_size=96, tie_word_embeddings=tie, rope_theta=1e6,
+                          **extra)
         m = Qwen3ForCausalLM(cfg)
     else:
-        cfg = Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=24, num_experts=6,
-                             num_experts_per_tok=2, tie_word_embeddings=tie, **extra)
+        cfg = Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=24,
+                             num_experts=6, num_experts_per_tok=2, tie_word_embeddings=tie, **extra)
         m = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():  # the default init leaves norms at exactly 1 and the router at 0: randomise everything
+    with torch.no_grad():
+        # the default init leaves norms at exactly 1 and the router at 0: randomise everything
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     return m.eval()
@@ -67,8 +70,9 @@ def test_sharded_checkpoint(tmp_path):
 
 def test_packed_equals_padded():
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=8, intermediate_size=64)).eval()
+    m = Transformer(ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                intermediate_size=64)).eval()
     lens = [5, 9, 3]
     seqs = [torch.randint(0, 40, (n,)) for n in lens]
     packed = torch.cat(seqs)[None]

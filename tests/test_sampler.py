@@ -23,7 +23,8 @@ def pool(n):
 
 def simulated_rates(seed=0):
     """300 prompts: 100 always solved, 100 never solved, 100 in between (0.2 to 0.8)."""
-    return np.concatenate([np.ones(100), np.zeros(100), np.random.default_rng(seed).uniform(0.2, 0.8, 100)])
+    return np.concatenate([np.ones(100), np.zeros(100),
+                           np.random.default_rng(seed).uniform(0.2, 0.8, 100)])
 
 
 def run(sampler, rates, steps, batch=32, seed=0):
@@ -47,7 +48,8 @@ def test_concentrates_on_the_growth_zone_and_still_visits_the_rest():
     st = s.stats()
     assert st["pool_seen"] == 1.0 and st["unseen"] == 0.0
     assert st["pool_zone"] == pytest.approx(1 / 3, abs=0.05)
-    assert st["pool_easy"] == pytest.approx(1 / 3, abs=0.05) and st["pool_hard"] == pytest.approx(1 / 3, abs=0.05)
+    assert (st["pool_easy"] == pytest.approx(1 / 3, abs=0.05)
+            and st["pool_hard"] == pytest.approx(1 / 3, abs=0.05))
     assert st["zone"] > 0.6 and st["zone_obs"] > 0.5 and 0 < st["explored"] < 0.4
 
 
@@ -63,19 +65,24 @@ def test_a_prompt_that_becomes_solvable_reenters_the_zone():
     assert first < 100  # exploration brings it back: about 200 stale prompts / 3 explored per step
     assert 0.1 < s.rates.mean()[target] < 0.9
     later = np.array(drawn[first + 20:]).ravel()  # once its estimate has caught up:
-    hard_share = np.isin(later, np.arange(100, 200)).mean() / 100  # the average share of a never-solved prompt
+    # the average share of a never-solved prompt
+    hard_share = np.isin(later, np.arange(100, 200)).mean() / 100
     assert np.mean(later == target) > 3 * hard_share  # it is drawn like a prompt of the zone
     assert np.mean(later == target) > 0.5 * np.isin(later, np.arange(200, 300)).mean() / 100
 
 
 def test_unseen_prompts_get_tried():
     s = GrowthZoneSampler(pool(1000), seed=0)
-    run(s, np.full(1000, 0.5), 50, batch=40)  # 2000 draws: uniform sampling would see 87% of the pool
+    # 2000 draws: uniform sampling would see 87% of the pool
+    run(s, np.full(1000, 0.5), 50, batch=40)
     assert s.stats()["pool_seen"] > 0.8
-    sweep = GrowthZoneSampler(pool(1000), seed=0, explore=1.0)  # pure exploration: oldest pick first
+    # pure exploration: oldest pick first
+    sweep = GrowthZoneSampler(pool(1000), seed=0, explore=1.0)
     batches = [sweep.next_batch(40) for _ in range(25)]
-    assert sorted(i for b in batches for i, _ in b) == list(range(1000))  # the pool once, no repeats
-    assert sweep.stats()["unseen"] == 1.0 and sweep.stats()["explored"] == 1.0 and sweep.stats()["pool_seen"] == 0.0
+    # the pool once, no repeats
+    assert sorted(i for b in batches for i, _ in b) == list(range(1000))
+    assert (sweep.stats()["unseen"] == 1.0 and sweep.stats()["explored"] == 1.0
+            and sweep.stats()["pool_seen"] == 0.0)
 
 
 def test_batch_larger_than_the_pool():
@@ -168,7 +175,8 @@ def test_fast_on_a_large_pool():
         idx = [i for i, _ in s.next_batch(64)]
         s.observe(idx, (rng.random((64, G)) < 0.5).astype(float).tolist())
     per_step = (time.perf_counter() - t0) / 10
-    assert per_step < 0.5, per_step  # about 25 ms on one busy core: numpy over the pool, no Python loop
+    # about 25 ms on one busy core: numpy over the pool, no Python loop
+    assert per_step < 0.5, per_step
     assert s.stats()["pool_seen"] > 0.9 * 9 * 64 / n  # counted before the last batch
 
 

@@ -1,6 +1,6 @@
-"""The sparsity schedule: the table as a budget function, offline calibration and the online controller on a
-synthetic mismatch model with a known minimal table, calibration on a tiny model through the engine, and the
-Kinetics-style cost model."""
+"""The sparsity schedule: the table as a budget function, offline calibration and the online
+controller on a synthetic mismatch model with a known minimal table, calibration on a tiny model
+through the engine, and the Kinetics-style cost model."""
 import random
 
 import pytest
@@ -16,24 +16,28 @@ from sparsity import dense_budget, fixed_budget, table_budget
 def test_schedule_is_a_table_budget_with_state():
     s = Schedule([29, 61, 93], bin_pages=125)
     ref = table_budget([29, 61, 93], 125)
-    assert [s(n) for n in (1, 124, 125, 300, 10_000)] == [ref(n) for n in (1, 124, 125, 300, 10_000)]
+    assert ([s(n) for n in (1, 124, 125, 300, 10_000)]
+            == [ref(n) for n in (1, 124, 125, 300, 10_000)])
     s.extend(5)
     assert s.table == [29, 61, 93, 93, 93] and s.budget(10_000) == 93
     t = Schedule([1], bin_pages=1, threshold=0.5)
     t.load_state_dict(s.state_dict())
-    assert t.table == s.table and t.bin_pages == 125 and t.threshold == 0.86 and t.table is not s.table
+    assert (t.table == s.table and t.bin_pages == 125 and t.threshold == 0.86
+            and t.table is not s.table)
     with pytest.raises(ValueError, match=r"\(1, 300\)"):
         Schedule([8, 300], bin_pages=4, max_pages=256)
     with pytest.raises(KeyError, match="bin_pages"):
         t.load_state_dict({"table": [1]})
 
 
-# ----------------------------------------------------------------------------- a synthetic mismatch model
+# ----------------------------------------------------------------------- a synthetic mismatch model
 
-C = [1.0, 2.0, 3.3, 4.4]  # p5(budget, bin) = 1 - C[bin] / budget: better with budget, worse with length
+# p5(budget, bin) = 1 - C[bin] / budget: better with budget, worse with length
+C = [1.0, 2.0, 3.3, 4.4]
 TARGET = 0.86
 MINIMAL = [8, 15, 24, 32]  # the smallest integer b with 1 - c / b >= 0.86, worked out by hand
-# (each p5 there is >= 0.002 from the target on both sides: a noise of +-0.001 cannot move the minimum)
+# (each p5 there is >= 0.002 from the target on both
+# sides: a noise of +-0.001 cannot move the minimum)
 
 
 def synthetic_p5(table, c=C, noise=0.0, rng=None):
@@ -47,13 +51,17 @@ def test_calibrate_finds_the_minimal_table():
         calls.append(list(table))
         return synthetic_p5(table)
     assert calibrate(measure, 4, range(1, 100), TARGET) == MINIMAL
-    assert len(calls) == 32 and all(len(set(t)) == 1 for t in calls)  # uniform tables, stops once all bins pass
+    # uniform tables, stops once all bins pass
+    assert len(calls) == 32 and all(len(set(t)) == 1 for t in calls)
     # a coarse grid: the smallest candidate at or above each bin's minimum
     assert calibrate(lambda t: synthetic_p5(t), 4, [4, 16, 32, 64], TARGET) == [16, 16, 32, 32]
-    # a bin without tokens copies the bin before it; monotone lifts a bin that needs less than its predecessor
-    assert calibrate(lambda t: synthetic_p5(t)[:3] + [float("nan")], 4, range(1, 100), TARGET) == [8, 15, 24, 24]
+    # a bin without tokens copies the bin before it; monotone
+    # lifts a bin that needs less than its predecessor
+    assert (calibrate(lambda t: synthetic_p5(t)[:3] + [float("nan")], 4, range(1, 100), TARGET)
+            == [8, 15, 24, 24])
     assert calibrate(lambda t: synthetic_p5(t, c=[2.0, 1.0]), 2, range(1, 100), TARGET) == [15, 15]
-    assert calibrate(lambda t: synthetic_p5(t, c=[2.0, 1.0]), 2, range(1, 100), TARGET, monotone=False) == [15, 8]
+    assert calibrate(lambda t: synthetic_p5(t, c=[2.0, 1.0]), 2, range(1, 100), TARGET,
+                     monotone=False) == [15, 8]
     with pytest.raises(ValueError, match=r"bins \(bin, best p5\) \[\(3, 0.8167\)\]"):
         calibrate(lambda t: synthetic_p5(t), 4, [10, 24], TARGET)
 
@@ -71,8 +79,8 @@ def run_controller(start, steps, c=C, noise=0.001, seed=0, **kw):
 @pytest.mark.parametrize("start", [[2, 2, 2, 2], [80, 80, 80, 80], [2, 90, 20, 60]])
 def test_controller_converges_to_the_minimal_table_and_stays(start):
     history, ctrl = run_controller(start, 600)
-    # from above, each bin probes one step below its minimum once (the only way to learn it is the minimum),
-    # fails, goes back up and holds there: the floor remembers the failure
+    # from above, each bin probes one step below its minimum once (the only way to learn it is the
+    # minimum), fails, goes back up and holds there: the floor remembers the failure
     settled = max(i for i, t in enumerate(history) if t != MINIMAL) + 1
     assert settled < 250, f"still moving at step {settled}: {history[settled - 1]}"
     assert all(t == MINIMAL for t in history[settled:]) and ctrl.floor == MINIMAL
@@ -89,8 +97,10 @@ def test_controller_follows_drift_and_skips_thin_bins():
         ctrl.observe(synthetic_p5(ctrl.schedule.table, C), [100] * 4)  # and back: raised promptly
     assert ctrl.schedule.table == MINIMAL
     before = list(ctrl.schedule.table)
-    ctrl.observe([0.0, 0.0, float("nan"), 0.99, 0.0], [5, 5, 100, 100, 100])  # thin bins, NaN: left alone
-    assert ctrl.schedule.table[:4] == before and ctrl.schedule.table[4] == MINIMAL[-1] + 1  # a new bin: its own
+    # thin bins, NaN: left alone
+    ctrl.observe([0.0, 0.0, float("nan"), 0.99, 0.0], [5, 5, 100, 100, 100])
+    # a new bin: its own
+    assert ctrl.schedule.table[:4] == before and ctrl.schedule.table[4] == MINIMAL[-1] + 1
     ctrl2 = Controller(Schedule([1], 4))
     ctrl2.load_state_dict(ctrl.state_dict())
     assert ctrl2.floor == ctrl.floor and ctrl2.target == TARGET
@@ -104,7 +114,7 @@ def test_controller_respects_the_bounds():
     assert schedule.table == [12, 8]
 
 
-# ----------------------------------------------------------------------------- calibration through the engine
+# ------------------------------------------------------------------- calibration through the engine
 
 
 from test_rollout import CharTok, tiny_model  # noqa: E402  (the same tiny model and tokenizer stub)
@@ -117,12 +127,15 @@ def test_schedule_drives_the_engine_and_calibrate_engine_runs():
     dense = Engine(m, tok, **kw).generate(prompts, 1)
     wide = Engine(m, tok, sparse=Schedule([1000], bin_pages=4), **kw).generate(prompts, 1)
     assert torch.equal(dense.tokens, wide.tokens)  # a table past every cached length reads densely
-    kw.update(temperature=1.0, eos_ids=[99])  # no EOS: every row runs to the end, so every bin has tokens
-    s = calibrate_engine(m, tok, prompts, [1, 3, 6, 12, 40], bin_pages=4, group_size=4, threshold=0.95, **kw)
+    # no EOS: every row runs to the end, so every bin has tokens
+    kw.update(temperature=1.0, eos_ids=[99])
+    s = calibrate_engine(m, tok, prompts, [1, 3, 6, 12, 40], bin_pages=4, group_size=4,
+                         threshold=0.95, **kw)
     assert isinstance(s, Schedule) and len(s.table) == 5 and s.threshold == 0.95
     assert all(a <= b for a, b in zip(s.table, s.table[1:])) and set(s.table) <= {1, 3, 6, 12, 40}
     assert s.table[-1] > s.table[0]  # the tail worsens with length even in a random tiny model
-    assert calibrate_engine(m, tok, prompts, [1, 40], bin_pages=4, group_size=4, threshold=0.0, **kw).table == [1] * 5
+    assert calibrate_engine(m, tok, prompts, [1, 40], bin_pages=4, group_size=4, threshold=0.0,
+                            **kw).table == [1] * 5
 
 
 # ----------------------------------------------------------------------------- the cost model
@@ -131,9 +144,11 @@ def test_schedule_drives_the_engine_and_calibrate_engine_runs():
 def test_model_shape_counts_the_parameters_a_token_uses():
     cfg = ModelConfig(vocab_size=30, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, intermediate_size=64)
-    assert model_shape(cfg) == (Transformer(cfg).num_params(), 2, 2, 8)  # tied: the embedding is the head
+    # tied: the embedding is the head
+    assert model_shape(cfg) == (Transformer(cfg).num_params(), 2, 2, 8)
     cfg.tie_word_embeddings = False
-    assert model_shape(cfg)[0] == Transformer(cfg).num_params() - 30 * 32  # the lookup is not a matmul
+    # the lookup is not a matmul
+    assert model_shape(cfg)[0] == Transformer(cfg).num_params() - 30 * 32
     moe = ModelConfig(vocab_size=30, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=16)
@@ -149,12 +164,16 @@ def test_cost_by_hand():
     weights = 2 * 1000 * 2 * 16 / 1e6
     attn = 2 * (2 * 96 + 16) * 16 * 2 * 8 / 1e6  # r (2 L_in + L_out) L_out N D / flops
     kv = (2 * 96 * 16 * 8 + 2 * 16 ** 2 * 8) / 1e3  # (2 L_in L_out D + N L_out^2 D) / bandwidth
-    assert d["dense_s"] == pytest.approx(weights + attn + kv) and d["sparse_s"] == pytest.approx(d["dense_s"])
-    # fixed budget 2 pages of 16 on 97..112 cached tokens: 7 pages, 3 always kept, so f = 3/7 at every step
+    assert (d["dense_s"] == pytest.approx(weights + attn + kv)
+            and d["sparse_s"] == pytest.approx(d["dense_s"]))
+    # fixed budget 2 pages of 16 on 97..112 cached tokens:
+    # 7 pages, 3 always kept, so f = 3/7 at every step
     s = rollout_cost(L_in=96, L_out=16, schedule=fixed_budget(2), dense_layers=0, **SHAPE)
     f = 3 / 7
-    kv_s = 2 * 8 * (16 * min(1, 2 * f) * 96 + 2 * f * 16 ** 2 / 2) / 1e3  # shared prompt part, each row's own
-    meta = 16 * 2 * 7 * (8 / 2) * (2 / 1e3 + 2 / 1e6)  # steps * N * pages * key elements * (bytes, FLOPs)
+    # shared prompt part, each row's own
+    kv_s = 2 * 8 * (16 * min(1, 2 * f) * 96 + 2 * f * 16 ** 2 / 2) / 1e3
+    # steps * N * pages * key elements * (bytes, FLOPs)
+    meta = 16 * 2 * 7 * (8 / 2) * (2 / 1e3 + 2 / 1e6)
     assert s["dense_s"] == pytest.approx(d["dense_s"])
     assert s["sparse_s"] == pytest.approx(weights + attn * f + kv_s + meta)
     assert s["speedup"] == pytest.approx(s["dense_s"] / s["sparse_s"])
@@ -164,13 +183,15 @@ def test_cost_dense_schedule_equals_dense_and_speedup_grows_with_length():
     for L_out in (1, 100, 5000):
         d = rollout_cost(L_in=300, L_out=L_out, schedule=dense_budget, **SHAPE)
         assert d["sparse_s"] == pytest.approx(d["dense_s"], rel=1e-12) and d["meta_s"] == 0
-    # Qwen3-1.7B-like: 28 layers, 8 KV heads of 128, r = 2; an H200-ish device; a fixed 128-page budget
+    # Qwen3-1.7B-like: 28 layers, 8 KV heads of 128, r = 2;
+    # an H200-ish device; a fixed 128-page budget
     qwen = dict(P=1.7e9, n_layers=28, N=16, r=2, D=2 * 28 * 8 * 128, flops=9.9e14, bandwidth=4.8e12)
     speed = [rollout_cost(L_in=512, L_out=L, schedule=fixed_budget(128), **qwen)["speedup"]
              for L in (2048, 4096, 8192, 16384)]
     assert speed[0] == pytest.approx(1.0, abs=0.05) and all(a < b for a, b in zip(speed, speed[1:]))
     assert speed[-1] > 2
-    tab = Schedule([29, 61, 93, 93, 125, 157, 189, 221, 221, 253], bin_pages=125)  # Sparrow's 1.7B table
+    # Sparrow's 1.7B table
+    tab = Schedule([29, 61, 93, 93, 125, 157, 189, 221, 221, 253], bin_pages=125)
     assert rollout_cost(L_in=512, L_out=32768, schedule=tab, **qwen)["speedup"] > 1.5
     with pytest.raises(ValueError, match="positive"):
         rollout_cost(L_in=0, L_out=10, **SHAPE)
@@ -192,5 +213,6 @@ def test_calibrate_gives_a_bin_that_loses_its_tokens_the_largest_candidate():
     nan = float("nan")
     table = {1: [0.9, 0.5], 2: [0.95, 0.6], 4: [0.97, nan]}  # bin 1 fails, then has no tokens at 4
     assert calibrate(lambda t: table[t[0]], 2, [1, 2, 4], threshold=0.86) == [1, 4]
-    with pytest.raises(ValueError, match="bins"):  # measured at the largest candidate and still failing: an error
+    with pytest.raises(ValueError, match="bins"):
+        # measured at the largest candidate and still failing: an error
         calibrate(lambda t: [0.9, 0.5], 2, [1, 2, 4], threshold=0.86)

@@ -1,18 +1,21 @@
-"""KV-page selection: budgets, the two scorers on hand-made pages, the always-kept pages, and full-budget
-selection through decode_attention against SDPA."""
+"""KV-page selection: budgets, the two scorers on hand-made pages, the always-kept pages, and
+full-budget selection through decode_attention against SDPA."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.block_sparse_decode import decode_attention
-from sparsity import (centroid_scores, dense_budget, fixed_budget, fraction_budget, kept_count, oracle_scores,
-                      page_metadata, pages_to_read, quest_scores, select_pages, table_budget)
+from sparsity import (centroid_scores, dense_budget, fixed_budget, fraction_budget, kept_count,
+                      oracle_scores, page_metadata, pages_to_read, quest_scores, select_pages,
+                      table_budget)
 
 
 def test_budget_functions():
     assert fixed_budget(5)(100) == 5 and dense_budget(37) == 37
-    assert fraction_budget(1 / 8)(64) == 8 and fraction_budget(1 / 8)(65) == 9 and fraction_budget(0.1, 4)(10) == 4
-    sched = table_budget([29, 61, 93], bin_pages=125)  # Sparrow-style bins of 2,000 tokens of 16-token pages
+    assert (fraction_budget(1 / 8)(64) == 8 and fraction_budget(1 / 8)(65) == 9
+            and fraction_budget(0.1, 4)(10) == 4)
+    # Sparrow-style bins of 2,000 tokens of 16-token pages
+    sched = table_budget([29, 61, 93], bin_pages=125)
     assert [sched(n) for n in (1, 124, 125, 300, 10_000)] == [29, 29, 61, 93, 93]
     with pytest.raises(ValueError, match="fraction in"):
         fraction_budget(0)
@@ -30,7 +33,8 @@ def test_budget_is_clamped_to_kept_and_cached_pages():
 
 
 def test_centroid_picks_the_page_aligned_with_the_group_query():
-    # 1 sequence, 2 KV heads, G = 2, D = 4, 5 pages; head 0's queries point along e0, head 1's along e1
+    # 1 sequence, 2 KV heads, G = 2, D = 4, 5 pages;
+    # head 0's queries point along e0, head 1's along e1
     q = torch.zeros(1, 4, 4)
     q[0, 0, 0], q[0, 1, 0] = 1.0, 3.0  # group 0: mean (2, 0, 0, 0)
     q[0, 2, 1], q[0, 3, 1] = 2.0, 0.0  # group 1: mean (0, 1, 0, 0)
@@ -45,8 +49,9 @@ def test_centroid_picks_the_page_aligned_with_the_group_query():
 
 
 def test_quest_bound_uses_min_and_max_and_the_group_max():
-    # a page with keys spanning [-1, 1] in dim 0 beats a page whose mean is higher but whose spread is 0,
-    # for a query that is positive in dim 0: the bound is max(q * min, q * max) summed over dims
+    # a page with keys spanning [-1, 1] in dim 0 beats a page whose mean is higher but whose
+    # spread is 0, for a query that is positive in dim 0: the bound is max(q * min, q * max)
+    # summed over dims
     q = torch.zeros(1, 2, 2)  # 1 KV head, G = 2, D = 2
     q[0, 0] = torch.tensor([2.0, 0.0])
     q[0, 1] = torch.tensor([0.0, -3.0])
@@ -56,7 +61,8 @@ def test_quest_bound_uses_min_and_max_and_the_group_max():
     # head 0: pages give 2, 1, 0; head 1 (q = -3 e1): pages give 0, 0, 3; the group keeps the max
     assert torch.allclose(s, torch.tensor([2.0, 1.0, 3.0]))
     # the bound really bounds: every key inside the box scores at most the bound
-    keys = kmin[0, :, 0][:, None] + torch.rand(3, 50, 2) * (kmax - kmin)[0, :, 0][:, None]  # (P, 50, D)
+    keys = (kmin[0, :, 0][:, None]
+            + torch.rand(3, 50, 2) * (kmax - kmin)[0, :, 0][:, None])  # (P, 50, D)
     for h in range(2):
         assert ((keys @ q[0, h]) <= s[:, None] + 1e-6).all()
 
@@ -75,18 +81,22 @@ def test_oracle_is_the_attention_mass_per_page_with_the_group_max():
             for g in range(G):
                 if n == 0:
                     continue
-                w = F.softmax(kp[b, :, :, h].reshape(P * ps, D)[:n] @ q[b, h * G + g] / D ** 0.5, -1)
+                w = F.softmax(kp[b, :, :, h].reshape(P * ps, D)[:n] @ q[b, h * G + g] / D ** 0.5,
+                              -1)
                 mass = F.pad(w, (0, P * ps - n)).view(P, ps).sum(-1)
                 ref[b, h] = torch.maximum(ref[b, h], mass)
     assert torch.allclose(s, ref, atol=1e-6)
-    assert (s[1, :, 3:] == 0).all() and (s[2] == 0).all()  # pages past the end and an empty row get no mass
-    assert (s[:2].sum(-1) >= 1 - 1e-6).all()  # the max over the group: at least one query head's full mass
+    # pages past the end and an empty row get no mass
+    assert (s[1, :, 3:] == 0).all() and (s[2] == 0).all()
+    # the max over the group: at least one query head's full mass
+    assert (s[:2].sum(-1) >= 1 - 1e-6).all()
 
 
 def test_page_metadata():
     pages = torch.arange(2 * 4 * 1 * 3, dtype=torch.float32).view(2, 4, 1, 3)
     mean, lo, hi = page_metadata(pages, True)
-    assert torch.equal(mean, pages.mean(1)) and torch.equal(lo, pages[:, 0]) and torch.equal(hi, pages[:, 3])
+    assert (torch.equal(mean, pages.mean(1)) and torch.equal(lo, pages[:, 0])
+            and torch.equal(hi, pages[:, 3]))
     assert page_metadata(pages, False)[1] is None
 
 
@@ -98,7 +108,8 @@ def test_select_keeps_sink_recent_and_partial_pages_even_when_they_score_worst()
     n_full = torch.tensor([11, 7, 1])  # row 0 and row 2 end in a partial page
     scores[:, :, 0] = -100.0  # the sink scores worst
     scores[0, :, 9:] = -100.0  # so do row 0's recent pages
-    n_read = torch.tensor([pages_to_read(fixed_budget(5), int(n), int(f), 1, 2) for n, f in zip(n_pages, n_full)])
+    n_read = torch.tensor([pages_to_read(fixed_budget(5), int(n), int(f), 1, 2)
+                           for n, f in zip(n_pages, n_full)])
     sel, n_sel = select_pages(scores, n_pages, n_full, n_read, keep_first=1, keep_recent=2)
     assert n_sel.tolist() == [[5, 5], [5, 5], [2, 2]]
     for b in range(B):
@@ -106,14 +117,17 @@ def test_select_keeps_sink_recent_and_partial_pages_even_when_they_score_worst()
             chosen = sel[b, h, :n_sel[b, h]].tolist()
             n = int(n_pages[b])
             assert chosen == sorted(chosen) and len(set(chosen)) == len(chosen) and max(chosen) < n
-            assert {0, n - 2, n - 1} <= set(chosen)  # sink and the two recent pages (the partial one included)
+            # sink and the two recent pages (the partial one included)
+            assert {0, n - 2, n - 1} <= set(chosen)
             others = [j for j in range(1, n - 2) if j not in chosen]
             best_left = max((scores[b, h, j].item() for j in others), default=-1e9)
-            assert all(scores[b, h, j] >= best_left for j in chosen if 0 < j < n - 2)  # the rest is the top
+            # the rest is the top
+            assert all(scores[b, h, j] >= best_left for j in chosen if 0 < j < n - 2)
 
 
 def test_full_budget_selection_through_decode_attention_equals_sdpa():
-    """Pages in a shuffled pool, the full budget: the selection covers everything and attention is SDPA's."""
+    """Pages in a shuffled pool, the full budget: the selection covers everything and attention is
+    SDPA's."""
     gen = torch.Generator().manual_seed(1)
     ps, H_kv, G, D = 4, 2, 2, 8
     lens = [13, 3, 8]  # partial last page, shorter than a page, exactly two pages
@@ -135,10 +149,12 @@ def test_full_budget_selection_through_decode_attention_equals_sdpa():
     q = torch.randn(B, H_kv * G, D, generator=gen)
     n_full = torch.tensor([n // ps for n in lens])
     n_pg = torch.tensor(n_pages)
-    kmean = torch.randn(B, P, H_kv, D, generator=gen)  # any scores: at full budget they only order the pages
+    # any scores: at full budget they only order the pages
+    kmean = torch.randn(B, P, H_kv, D, generator=gen)
     sel, n_sel = select_pages(centroid_scores(q, kmean), n_pg, n_full, n_pg, 1, 2)
-    out = decode_attention(q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32), sel, n_sel)
+    out = decode_attention(q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32), sel,
+                           n_sel)
     mask = (torch.arange(16) < torch.tensor(lens)[:, None])[:, None, None, :]  # (B, 1, 1, T)
-    want = F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
-                                          attn_mask=mask)[:, :, 0]
+    want = F.scaled_dot_product_attention(q[:, :, None], k.repeat_interleave(G, 1),
+                                          v.repeat_interleave(G, 1), attn_mask=mask)[:, :, 0]
     assert (out - want).abs().max().item() < 1e-5

@@ -1,4 +1,5 @@
-"""Stage 5: bit-exact delta sync, version checks, adapter merge, and the distributed and file transports."""
+"""Stage 5: bit-exact delta sync, version checks, adapter merge, and the distributed and file
+transports."""
 import copy
 import json
 import os
@@ -16,8 +17,8 @@ from model import ModelConfig, Transformer, weight_checksum
 from sync import FileTransport, Receiver, Sender, Update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=16)
+TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 
 
 def bits(t):
@@ -71,15 +72,19 @@ def test_delta_sync_is_bit_exact_over_many_rounds(dtype):
         for k, v in trainer.items():
             assert same_bits(rollout[k], v.to(dtype)), f"round {rnd} ({kind}) tensor {k}"
         for name, d in u.info.items():  # the cheapest encoding wins
-            costs = sync.delta_costs(rollout[name].numel(), d["changed"], rollout[name].element_size())
+            costs = sync.delta_costs(rollout[name].numel(), d["changed"],
+                                     rollout[name].element_size())
             assert costs[d["enc"]] == min(costs.values())
             seen.add(d["enc"])
         s = sender.stats()
-        assert s["bytes"] == u.nbytes and s["full_bytes"] == sum(v.numel() * v.element_size() for v in rollout.values())
+        assert (s["bytes"] == u.nbytes
+                and s["full_bytes"] == sum(v.numel() * v.element_size() for v in rollout.values()))
         if kind == "none":
-            assert u.nbytes == 0 and u.info == {} and len(u.to_bytes()) < 400 and s["changed_fraction"] == 0
+            assert (u.nbytes == 0 and u.info == {} and len(u.to_bytes()) < 400
+                    and s["changed_fraction"] == 0)
         if kind == "all":
-            assert s["changed_fraction"] == 1.0 and set(d["enc"] for d in u.info.values()) == {"dense"}
+            assert (s["changed_fraction"] == 1.0
+                    and set(d["enc"] for d in u.info.values()) == {"dense"})
             assert u.nbytes == s["full_bytes"]
         if kind == "sparse":
             assert s["ratio"] < 0.05
@@ -91,7 +96,8 @@ def test_pack_bits_and_costs():
     for n in (0, 1, 8, 13, 1000):
         m = torch.rand(n) < 0.3
         p = sync.pack_bits(m)
-        assert p.tolist() == np.packbits(m.numpy()).tolist() and torch.equal(sync.unpack_bits(p, n), m)
+        assert (p.tolist() == np.packbits(m.numpy()).tolist()
+                and torch.equal(sync.unpack_bits(p, n), m))
     assert sync.delta_costs(800, 10, 2) == {"dense": 1600, "mask": 120, "index": 60}
     assert sync.delta_costs(2**31, 1, 2)["index"] == 10  # int64 indices past 2^31 elements
 
@@ -105,7 +111,8 @@ def test_wrong_base_version_and_bad_updates_are_refused():
     sender.make_update()  # v2: never reaches `behind`
     trainer["big"][1, 1] += 1
     u3 = sender.make_update()
-    with pytest.raises(ValueError, match=r"delta update v2->v3 needs the receiver on version 2, but it is on version 1"):
+    with pytest.raises(ValueError, match=r"delta update v2->v3 needs the receiver on version 2, "
+                                         r"but it is on version 1"):
         behind.apply(u3)
     fresh = Receiver({k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in trainer.items()})
     with pytest.raises(ValueError, match="v2->v3 .* on version 0"):
@@ -118,17 +125,20 @@ def test_wrong_base_version_and_bad_updates_are_refused():
     with pytest.raises(RuntimeError, match="checksum mismatch after applying delta update v4->v5"):
         fresh.apply(bad)
     fp32 = Receiver({k: torch.zeros_like(v) for k, v in trainer.items()})
-    with pytest.raises(ValueError, match="tensor 'big': update has bfloat16 .* receiver holds float32"):
+    with pytest.raises(ValueError,
+                       match="tensor 'big': update has bfloat16 .* receiver holds float32"):
         fp32.apply(sender.make_update(full=True))
     with pytest.raises(KeyError, match="receiver has no tensor 'small'"):
-        Receiver({k: v for k, v in fp32.weights.items() if k != "small"}).apply(Sender(trainer).make_update())
+        Receiver({k: v for k, v in fp32.weights.items()
+                  if k != "small"}).apply(Sender(trainer).make_update())
 
 
 def test_module_sync_ties_and_matches_weight_checksum():
     torch.manual_seed(0)
     policy = Transformer(TINY)
     rollout = Transformer(TINY).to(torch.bfloat16)
-    untied = {k: v.clone() for k, v in rollout.state_dict().items()}  # an engine that stores lm_head separately
+    # an engine that stores lm_head separately
+    untied = {k: v.clone() for k, v in rollout.state_dict().items()}
     sender = Sender(policy, dtype=torch.bfloat16)
     first = sender.make_update()
     assert list(first.aliases.items()) == [("model.embed_tokens.weight", "lm_head.weight")]
@@ -138,7 +148,8 @@ def test_module_sync_ties_and_matches_weight_checksum():
         assert r.checksum() == sender.checksum()
     assert sender.checksum()[:16] == weight_checksum(rollout)
     assert torch.equal(untied["lm_head.weight"], untied["model.embed_tokens.weight"])
-    # Both sides loaded the same checkpoint: no first full sync, the first update is already a delta.
+    # Both sides loaded the same checkpoint: no first
+    # full sync, the first update is already a delta.
     same = copy.deepcopy(policy).to(torch.bfloat16)
     s2, r2 = Sender(policy, dtype=torch.bfloat16, synced=True), Receiver(same)
     assert s2.checksum() == r2.checksum()
@@ -166,13 +177,15 @@ def test_delta_sync_on_cuda():
 
 
 def test_simulated_rl_step_bytes():
-    """An Adam step with a small lr: nearly every fp32 element moves, most of the moves vanish after a bf16 cast."""
+    """An Adam step with a small lr: nearly every fp32 element moves, most of the moves vanish after
+    a bf16 cast."""
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         out[dtype] = sync.simulate_rl_sync(steps=2, lr=1e-5, dtype=dtype, cfg=TINY)[-1]
         s = out[dtype]
-        print(f"\n[sync] Adam lr=1e-5, {str(dtype)[6:]} receiver: changed {s['changed_fraction']:.2%}, "
-              f"delta {s['bytes']:,} B of full {s['full_bytes']:,} B (ratio {s['ratio']:.3f}), {s['encodings']}")
+        print(f"\n[sync] Adam lr=1e-5, {str(dtype)[6:]} receiver: changed "
+              f"{s['changed_fraction']:.2%}, delta {s['bytes']:,} B of full {s['full_bytes']:,} B "
+              f"(ratio {s['ratio']:.3f}), {s['encodings']}")
     assert out[torch.float32]["changed_fraction"] > 0.9
     assert out[torch.bfloat16]["changed_fraction"] < 0.5 and out[torch.bfloat16]["ratio"] < 0.5
 
@@ -189,10 +202,13 @@ def test_adapter_sync_plus_merge_equals_merged_full_sync():
     scaling = 8 / 4
     lora = [p for n, p in trainer.named_parameters() if "lora_" in n]
     sender = Sender(trainer, mode="adapter")
-    merged_model, serving = copy.deepcopy(base), peft.inject_adapter_in_model(lora_cfg, copy.deepcopy(base))
+    merged_model, serving = (copy.deepcopy(base),
+                             peft.inject_adapter_in_model(lora_cfg, copy.deepcopy(base)))
     merging = Receiver(merged_model, lora_scaling=scaling)  # merges into its weights
-    keeping = Receiver(serving)  # an engine that runs the LoRA unmerged: its own lora tensors get written
-    holding = Receiver(copy.deepcopy(base))  # no lora tensors, no scaling: it only holds the adapter
+    # an engine that runs the LoRA unmerged: its own lora tensors get written
+    keeping = Receiver(serving)
+    # no lora tensors, no scaling: it only holds the adapter
+    holding = Receiver(copy.deepcopy(base))
     full_rx = Receiver(copy.deepcopy(base))
     for rnd in range(2):
         with torch.no_grad():  # a training step on the adapter only (lora_B starts at zero)
@@ -205,13 +221,15 @@ def test_adapter_sync_plus_merge_equals_merged_full_sync():
             r.apply(u)
             assert r.checksum() == sender.checksum()
         adapter = {k: v for k, v in trainer.state_dict().items() if "lora_" in k}
-        merged = sync.merge_lora(base.state_dict(), adapter, scaling)  # what a merged full sync would ship
+        # what a merged full sync would ship
+        merged = sync.merge_lora(base.state_dict(), adapter, scaling)
         full_tx = Sender(merged, mode="full")
         full_rx.apply(full_tx.make_update(version=rnd + 1))
         for k, v in full_rx.weights.items():
             assert same_bits(merging.weights[k], v), k
     idx = torch.randint(0, TINY.vocab_size, (2, 9))
-    with torch.no_grad():  # unmerged LoRA on the serving engine computes what the merged weights compute
+    with torch.no_grad():
+        # unmerged LoRA on the serving engine computes what the merged weights compute
         assert (serving(idx) - merged_model(idx)).abs().max() <= 1e-5
     ref = copy.deepcopy(trainer)  # PEFT's own merge agrees
     for m in ref.modules():
@@ -276,10 +294,13 @@ def test_distributed_broadcast_gloo(tmp_path):
     script.write_text(WORKER)
     port, procs = free_port(), []
     for rank in range(2):  # what torchrun sets up, without its agent's start-up time
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port),
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env,
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     try:
         for p in procs:
             out, _ = p.communicate(timeout=120)
@@ -310,7 +331,8 @@ def test_file_transport_survives_a_writer_killed_mid_write(tmp_path):
     ft.publish(sender.make_update())
     assert FileTransport(folder).latest().version == 1
     manifest = ft.manifest(1)
-    assert manifest["kind"] == "full" and len(manifest["shards"]) == 8 and manifest["checksum"] == sender.checksum()
+    assert (manifest["kind"] == "full" and len(manifest["shards"]) == 8
+            and manifest["checksum"] == sender.checksum())
     script = tmp_path / "writer.py"
     script.write_text(KILLED_WRITER)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -324,9 +346,11 @@ def test_file_transport_survives_a_writer_killed_mid_write(tmp_path):
     finally:
         p.send_signal(signal.SIGKILL)  # mid-write: it sleeps after each shard
         p.wait()
-    assert os.listdir(tmp) == ["shard-00001-of-00008.safetensors"]  # a half-written update is on disk...
+    # a half-written update is on disk...
+    assert os.listdir(tmp) == ["shard-00001-of-00008.safetensors"]
     reader = FileTransport(folder)
-    assert reader.versions() == [1] and reader.latest().version == 1 and reader.poll(1) == []  # ...and ignored
+    # ...and ignored
+    assert reader.versions() == [1] and reader.latest().version == 1 and reader.poll(1) == []
     rx = Receiver({k: torch.zeros_like(v) for k, v in trainer.items()})
     for u in reader.poll(0):
         rx.apply(u)
@@ -353,7 +377,8 @@ def test_file_transport_delta_chain_and_pruning(tmp_path):
         rx.apply(u)
     assert rx.version == 5 and rx.checksum() == sender.checksum()
     late, ups = zeros(), ft.poll(0)
-    with pytest.raises(ValueError, match="v2->v3 needs the receiver on version 2, but it is on version 0"):
+    with pytest.raises(ValueError,
+                       match="v2->v3 needs the receiver on version 2, but it is on version 0"):
         late.apply(ups[0])  # its chain was pruned: it needs a full update
     ft.publish(sender.make_update(full=True))
     assert [u.version for u in ft.poll(0)] == [6]  # deltas before the newest full update are moot
