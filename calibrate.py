@@ -41,10 +41,10 @@ import time
 
 import torch
 
-from config import parse_config
+from config import cli, parse_config
 from parallel import setup_dist
 from rollout import Engine
-from sparsity import (alpha_sample, bin_index, bin_stats, dense_logprobs, fixed_budget,
+from sparsity import (alpha_k, bin_index, bin_stats, dense_alpha, fixed_budget,
                       fraction_budget)
 from tasks import encode_pool, load_problems
 from warmstart import build_policy
@@ -175,22 +175,23 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
 
 def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins=None, group_size=1,
                      threshold=0.86, seed=0, min_count=1, max_new_tokens=256, temperature=1.0,
-                     page_size=16, **engine_kw):
+                     page_size=16, topk=20, **engine_kw):
     """`calibrate` on a real model: measure(table) generates sparse rollouts of `prompt_ids` with
-    that table, recomputes the sampled tokens' log-probs with a dense full forward (dense_logprobs),
-    takes alpha_sample per token and its p5 per bin (bins of pages cached, aligned with the
-    schedule; bins with fewer than `min_count` tokens count as empty). Every candidate samples with
-    the same seed. engine_kw go to rollout.Engine (scorer, keep_recent, dense_layers, ...). Returns
-    a Schedule."""
+    that table, takes Sparrow's per-position alpha against a dense full forward (dense_alpha: exact
+    over a small vocabulary, else from the top-`topk` lists: sparsity.alpha_k) and its p5 per
+    bin (bins of pages cached, aligned with the schedule; bins with fewer than `min_count` tokens
+    count as empty). Every candidate samples with the same seed. engine_kw go to rollout.Engine
+    (scorer, keep_recent, dense_layers, ...). Returns a Schedule."""
     if n_bins is None:  # enough bins for the longest prompt plus max_new_tokens
         longest = max(len(p) for p in prompt_ids) + max_new_tokens
         n_bins = -(-longest // page_size) // bin_pages + 1
 
     def measure(table):
         engine = Engine(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
-                        page_size=page_size, sparse=Schedule(table, bin_pages), **engine_kw)
+                        page_size=page_size, sparse=Schedule(table, bin_pages),
+                        topk_logprobs=alpha_k(model.config.vocab_size, topk), **engine_kw)
         ro = engine.generate(prompt_ids, group_size=group_size, seed=seed)
-        alpha = alpha_sample(dense_logprobs(model, prompt_ids, ro, temperature), ro.logp)
+        alpha = dense_alpha(model, prompt_ids, ro, temperature)
         st = bin_stats(alpha, ro.mask, ro.budget_dense, bin_pages, n_bins)
         return torch.where(st["count"] >= max(1, min_count), st["p5"], float("nan")).tolist()
 
@@ -317,7 +318,8 @@ def calibrated_schedule(cfg, model, tok, pool_ids, log=print):
                              group_size=cfg.group_size, threshold=cfg.kv_target, seed=cfg.seed,
                              min_count=20, max_new_tokens=cfg.max_new_tokens,
                              temperature=cfg.temperature, page_size=cfg.page_size,
-                             scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers,
+                             topk=cfg.alpha_topk, scorer=cfg.kv_scorer,
+                             dense_layers=cfg.dense_layers,
                              stop=[cfg.stop] if cfg.stop else [])
     log(f"calibrated in {time.perf_counter() - t0:.0f} s: table {sched.table} (pages read per bin "
         f"of {cfg.kv_bin_pages} pages)")
@@ -368,4 +370,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(cli(main, sys.argv[1:]))

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 
@@ -67,6 +68,7 @@ class Config:
     dense_layers: int = 2  # the first layers always read every page
     kv_controller: bool = False  # table budgets: adjust the table online to hold p5 alpha per bin at kv_target
     kv_target: float = 0.86  # Sparrow's threshold for the 5th percentile of alpha in each bin
+    alpha_topk: int = 20  # per-position alpha from top-k lists (exact for a vocabulary of <= 256 tokens)
     kv_candidates: tuple = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # calibration: budgets swept, in pages
     calib_prompts: int = 16  # calibration: training prompts (group_size rollouts each) per candidate
     kv_compare_every: int = 0  # > 0: every this many steps, time a dense rollout of the same prompts (speedup)
@@ -192,7 +194,7 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"), 
            "adv_norm": ("std", "none"), "max_staleness": (0, 1)}
 POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
             "prompts_per_step", "max_new_tokens", "page_size", "kv_bin_pages", "calib_prompts",
-            "distill_lr", "judge_timeout_s", "grad_clip", "passes", "minibatches", "micro_batch", "lora_alpha",
+            "distill_lr", "judge_timeout_s", "alpha_topk", "grad_clip", "passes", "minibatches", "micro_batch", "lora_alpha",
             "is_cap", "adv_eps", "eval_every", "save_every", "max_skipped")
 NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_compare_every", "distill_r", "distill_coef",
                 "refill_tries", "min_spread", "max_chars", "overlong_buffer", "overlong_penalty", "steps",
@@ -277,3 +279,14 @@ def check_processes(cfg):
     if cfg.rollout_ranks and (cfg.resume or cfg.lora_r or cfg.kv_controller):
         raise ValueError("config key 'rollout_ranks': the disaggregated mode does not support resume, lora_r or "
                          "kv_controller yet")
+
+
+def cli(main, argv):
+    """Run an entry point's main(argv): the errors a user can fix (a config key, a data file, a run that
+    diverged) print as one line, with exit code 2, instead of a traceback."""
+    try:
+        main(argv)
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -85,6 +85,9 @@ class ReplayCache:
             allowed = sel[..., (t // self.ps).clamp(max=P - 1)].permute(0, 2, 1, 3)
             causal = t[None, :] <= t[:, None]  # (Tq, Tk)
             m = torch.where(replay[:, None, :, None], allowed & causal, causal)  # prompt: causal
+            # a query that read no page (a record padded to a longer try's) may see itself: an
+            # all-masked row is NaN on some attention backends and 0 on others; its output is unused
+            m = m | (~m.any(-1, keepdim=True) & torch.eye(T, dtype=torch.bool))
             self._masks[layer] = m.to(device)
         return self._masks[layer]
 

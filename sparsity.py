@@ -32,17 +32,23 @@ Simplifications:
        is read for the whole group and matters if it matters to any one of its heads.
     4. Scores are fp32 and unscaled (1/sqrt(D) does not change a ranking).
 
-The sparse-to-dense mismatch (Sparrow): alpha, the acceptance rate of speculative decoding, per
-sampled token.
+The sparse-to-dense mismatch (Sparrow): alpha, the acceptance rate of speculative decoding. Sparrow's
+statistic is per POSITION: alpha_t = sum_v min(p_dense(v), p_sparse(v)) = 1 - TV at every sampled
+position, and its thresholds (p5 >= 0.86 per bin) are defined on that.
+    dense_alpha(model, prompt_ids, ro)    alpha_t for a rollout: the engine's kept distribution
+                                          (the whole vocabulary: exact; top-k: a lower bound)
+                                          against a plain full dense forward. What calibration,
+                                          the controller and the log threshold
     alpha_exact(p_logp, q_logp)           sum_v min(p, q) = 1 - TV over two full distributions
     alpha_topk(ro.topk_logp, ro.topk_ids, dense_logp)
                                           a lower bound from what was kept of each side
-    alpha_sample(dense_logp, ro.logp)     min(1, p_dense(y) / p_sparse(y)): same expectation, one
-                                          per token
+    alpha_sample(dense_logp, ro.logp)     min(1, p_dense(y) / p_sparse(y)) for the one sampled
+                                          token: the same mean, but not the same tail (each token
+                                          gives 1 or one noisy ratio). A diagnostic, never a
+                                          threshold
     bin_stats(alpha, ro.mask, ro.budget_dense, schedule.bin_pages)
                                           count, mean, p5 per bin of cached length
-    dense_logprobs(model, prompt_ids, ro) the dense side: sampled tokens' log-probs from a plain
-                                          full forward
+    dense_logprobs(model, prompt_ids, ro) the dense side's sampled-token log-probs alone
 Collapse shows in the tail, not the mean: Sparrow keeps the 5th percentile per 2,048-token bin above
 0.86. The budget schedule that holds that tail, its calibration sweep and its online controller are
 calibrate.py's.
@@ -308,6 +314,52 @@ def dense_logprobs(model, prompt_ids, ro, temperature=1.0):
         lp = F.log_softmax(model.lm_head(h).float() / t, -1)
         out[i, :n] = lp.gather(-1, comp.to(dev)[:, None])[:, 0].cpu()
     return out
+
+
+EXACT_VOCAB = 256  # vocabularies this small keep their whole distribution: alpha is exact
+
+
+def alpha_k(vocab_size, topk=20):
+    """How much of its distribution a rollout keeps per position for dense_alpha: all of a small
+    vocabulary (exact), else the top-k (Sparrow keeps 20; a lower bound)."""
+    return vocab_size if vocab_size <= EXACT_VOCAB else min(topk, vocab_size)
+
+
+@torch.no_grad()
+def dense_alpha(model, prompt_ids, ro, temperature=1.0, micro_batch=16, chunk=4096):
+    """Sparrow's mismatch statistic, per position: alpha_t = sum_v min(p_dense(v), p_rollout(v)) = 1 - TV
+    at every sampled position of a rollout. The rollout side is what the engine kept of its distribution
+    (Engine(topk_logprobs=k): ro.topk_logp, ro.topk_ids): the whole vocabulary gives alpha exactly, a top-k
+    list a lower bound (alpha_topk). The dense side is a plain full forward of `model` (the policy, dense
+    attention, full precision) over prompt + completion, whole distribution. -> (N, T) alpha, 0 where
+    ro.mask is False. Rows go `micro_batch` at a time, right-padded; the vocabulary projection `chunk`
+    positions at a time."""
+    if ro.topk_logp is None:
+        raise ValueError("dense_alpha needs the rollout's distribution: build the Engine with "
+                         "topk_logprobs=k (the vocabulary size for alpha exactly)")
+    t = temperature if temperature > 0 else 1.0  # greedy rollouts report log-probs at T = 1
+    dev = model.lm_head.weight.device
+    lens = ro.mask.sum(1).tolist()
+    alpha = torch.zeros(ro.mask.shape)
+    for rows in torch.arange(len(ro)).split(micro_batch):
+        rows = [r for r in rows.tolist() if lens[r]]
+        if not rows:
+            continue
+        seqs = [list(prompt_ids[int(ro.prompt_index[r])]) + ro.tokens[r, :lens[r]].tolist() for r in rows]
+        ids = torch.zeros(len(rows), max(len(s) for s in seqs), dtype=torch.long)
+        sel = torch.zeros(ids.shape, dtype=torch.bool)  # the positions that predict a sampled token
+        for j, (s, r) in enumerate(zip(seqs, rows)):
+            ids[j, :len(s)] = torch.tensor(s)
+            sel[j, len(s) - lens[r] - 1:len(s) - 1] = True  # position p predicts token p + 1
+        h = model(ids.to(dev), hidden=True)[sel.to(dev)]  # (M, C), row-major: row j's tokens in order
+        m = ro.mask[rows]  # the same M positions, in the same order
+        q_logp, q_ids = ro.topk_logp[rows][m], ro.topk_ids[rows][m]  # (M, k)
+        out = []
+        for a in range(0, h.shape[0], chunk):  # (chunk, V) logits at a time: a large vocabulary fits
+            p = F.log_softmax(model.lm_head(h[a:a + chunk]).float() / t, -1)
+            out.append(alpha_topk(q_logp[a:a + chunk].to(dev), q_ids[a:a + chunk].to(dev), p).cpu())
+        alpha[rows] = alpha[rows].masked_scatter(m, torch.cat(out))
+    return alpha
 
 
 # ----------------------------------------------------------------------------- N:M weight masks

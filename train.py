@@ -49,13 +49,13 @@ import copies
 import parallel
 from calibrate import Controller, Schedule, kv_budget
 from checkpoint import load_checkpoint, save_checkpoint
-from config import parse_config
+from config import cli, parse_config
 from distill import DistillSparse
 from model import add_lora
 from prompts import group_has_signal, make_sampler, refill_size
 from reward import Cascade, combine, load_judge
 from rollout import Engine
-from sparsity import bin_stats
+from sparsity import alpha_k, bin_stats, dense_alpha
 from tasks import encode_pool, load_problems
 from update import batch_from_groups, lr_at, pg_loss, train_on
 from warmstart import build_policy
@@ -82,6 +82,7 @@ class Run:
     train_ids: list  # token ids of the training pool
     eval_p: list  # held-out problems, and their ids
     eval_ids: list
+    measure: bool  # the rollout can differ from the policy (sparse, a copy): measure alpha every step
     replica: torch.nn.Module = None  # FSDP: the full-weight copy that the engines read
     ref_model: torch.nn.Module = None  # kl_coef > 0: the frozen reference policy
     schedule: Schedule = None  # table KV budgets: the engine reads this object...
@@ -120,13 +121,13 @@ def build(cfg, rank, world, dev, role, log):
     model.eval()  # dropout only in the training forwards (update.train_on switches it on and off)
     stop = [cfg.stop] if cfg.stop else []
     kv = dict(page_size=cfg.page_size, scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
+    measure = bool(budget) or rollout_model is not full  # a rollout that can differ from the policy
+    topk = alpha_k(model.config.vocab_size, cfg.alpha_topk) if measure else 0  # what alpha needs of it
     engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop, sparse=budget,
-                    record_pages=distill is not None, **kv)
+                    record_pages=distill is not None, topk_logprobs=topk, **kv)
     dense_engine = (Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop, **kv)
                     if cfg.kv_compare_every > 0 and budget else None)
     schedule = budget if isinstance(budget, Schedule) else None
-    if cfg.kv_controller and schedule is None:
-        raise ValueError("config key 'kv_controller' needs a table budget (kv_budget=table:N1,N2,...)")
     controller = Controller(schedule, target=cfg.kv_target) if cfg.kv_controller else None
     greedy = Engine(full, tok, cfg.max_new_tokens, 0.0, 1.0, stop)  # held-out accuracy is the policy's
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
@@ -139,8 +140,8 @@ def build(cfg, rank, world, dev, role, log):
                       judge_timeout_s=cfg.judge_timeout_s)
     sender, receiver = parallel.shipper(model, role)
     return Run(role, world, dev, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, amp,
-               train_ids, eval_p, eval_ids, replica, ref_model, schedule, controller, distill, dense_engine,
-               sender, receiver)
+               train_ids, eval_p, eval_ids, measure, replica, ref_model, schedule, controller, distill,
+               dense_engine, sender, receiver)
 
 
 def main(argv):
@@ -243,7 +244,7 @@ def collect(cfg, step, run):
     n_local = max(1, cfg.prompts_per_step // n)
     t_start = time.perf_counter()
     kept, results, rec = [], [], {"gen_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0, "tries": 0}
-    lens, finish_length, rewards_all, zone, zero_adv = [], 0, [], [], 0
+    lens, finish_length, rewards_all, zone, zero_adv, alphas = [], 0, [], [], 0, []
     n_draw, drawn, signals = n_local, 0, 0  # prompts per rank this try; drawn and with-spread so far, all ranks
     for t in range(1 + (cfg.refill_tries if cfg.dynamic_sampling else 0)):
         batch = run.sampler.next_batch(n_draw * n, refill=t > 0)[me * n_draw:(me + 1) * n_draw]  # stage 1
@@ -256,6 +257,11 @@ def collect(cfg, step, run):
             rec.update(compare_dense(cfg, run, ro, prompt_ids, seed))
         for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense"):
             rec[k] = rec.get(k, 0) + ro.timings[k]
+        if run.measure:  # every generated row, before dynamic sampling drops any: a collapse shows here
+            t0 = time.perf_counter()
+            a = dense_alpha(run.replica or run.model, prompt_ids, ro, cfg.temperature, cfg.micro_batch)
+            alphas.append((a[ro.mask], ro.budget_dense[ro.mask].long()))
+            rec["alpha_s"] = rec.get("alpha_s", 0.0) + time.perf_counter() - t0
         res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts, group_size=G)  # stage 3
         results.append(res)
         r = torch.tensor(res.rewards, dtype=torch.float32).view(-1, G)
@@ -286,6 +292,8 @@ def collect(cfg, step, run):
                zero_adv_groups=sum(parallel.gather(zero_adv, n, group)), rollouts=len(rew) * n,
                finish_length=finish_length / len(rew), zone=sum(zone) / len(zone), **combine(results).summary(),
                collect_s=time.perf_counter() - t_start)
+    if run.measure:
+        observe_alpha(cfg, run, [torch.cat(x) for x in zip(*alphas)], rec)
     return kept, rec
 
 
@@ -313,15 +321,13 @@ def learn(cfg, run, kept):
     ids, tmask, adv, roll = batch_from_groups(kept, run.train_ids, cfg.group_size, run.engine.pad_id, cfg.adv_eps,
                                               run.model.lm_head.weight.device, cfg.adv_norm, drop)
     out = train_on(cfg, run.model, run.opt, ids, tmask, adv, n, roll, group, run.ref_model,
-                   dense_dist=run.distill is not None, alpha_bins=run.schedule is not None)
+                   dense_dist=run.distill is not None)
     stats = out.pop("stats")  # loss sum, tokens, clipped, skipped, grad norm
     dense_full = out.pop("_dense_full", None)
     if run.distill is not None and kept and dense_full is not None:  # the rollout-only adapter, toward dense
         pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low, cfg.clip_high)[0]
         rec.update(run.distill.step_on(kept, [len(run.train_ids[k[0]]) for k in kept], cfg.group_size, ids, tmask,
                                        dense_full, pg))
-    if run.schedule is not None:
-        observe_schedule(cfg, run, out.pop("_alpha", (torch.zeros(0), torch.zeros(0, dtype=torch.long))), rec)
     rec.update(out)
     if n > 1:
         torch.distributed.all_reduce(stats, group=group)
@@ -331,18 +337,21 @@ def learn(cfg, run, kept):
     return rec
 
 
-def observe_schedule(cfg, run, alpha_pages, rec):
-    """Per-bin mean and p5 of alpha over every trainer's tokens, into the record; the controller (if on) moves
-    the table toward the smallest budgets whose p5 holds the target. Every rank sees the same numbers and so
-    keeps the same table."""
+def observe_alpha(cfg, run, alpha_pages, rec):
+    """Sparrow's statistic over every collecting rank's generated tokens: per-position alpha, its mean and
+    p5 overall and per bin of cached pages (kv_bin_pages), into the record. The controller (if on) moves
+    the table toward the smallest budgets whose p5 holds the target; every rank sees the same numbers and
+    so keeps the same table."""
     a, pages = (torch.cat(x) for x in zip(*parallel.gather(alpha_pages, run.role.n, run.role.group)))
     if a.numel() == 0:
         return
+    rec.update(alpha_mean=a.mean().item(), alpha_p5=a.quantile(0.05).item())
     st = bin_stats(a[None], torch.ones(1, a.numel(), dtype=torch.bool), pages[None], cfg.kv_bin_pages)
     rec["alpha_bins"] = {"count": st["count"].tolist(), "mean": st["mean"].tolist(), "p5": st["p5"].tolist()}
     if run.controller is not None:
         rec["kv_moved"] = run.controller.observe(st["p5"], st["count"])
-    rec["kv_table"] = list(run.schedule.table)
+    if run.schedule is not None:
+        rec["kv_table"] = list(run.schedule.table)
 
 
 def sync(cfg, step, run, rec, before_update):
@@ -450,15 +459,5 @@ def plot(cfg, history):
     plt.close(fig)
 
 
-def cli(argv):
-    """main, with the errors a user can fix (config, data, divergence) as one line and exit code 2."""
-    try:
-        main(argv)
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(cli(main, sys.argv[1:]))

@@ -3,7 +3,7 @@ update.py: stage 4, the update. Group advantages, importance weights for the rol
 clipped policy-gradient loss, the log-probs it needs, and the optimizer passes over one batch.
 
     ids, tmask, adv, roll = batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev)
-    out = train_on(cfg, model, opt, ids, tmask, adv, world=1, rollout_logp=roll)   # out["stats"], alpha, is_cut
+    out = train_on(cfg, model, opt, ids, tmask, adv, world=1, rollout_logp=roll)   # out["stats"], is_cut
     python -m pytest -q tests/test_train.py -k "advantage or loss or weights or logprobs or nonfinite"
 
 The loss, per sampled token t of completion i in group g:
@@ -16,7 +16,7 @@ The loss, per sampled token t of completion i in group g:
 
 Simplifications:
     1. logp_old is the trainer's own log-prob before the first optimizer pass, so ratio = 1 at the first
-       minibatch of the first pass; the rollout engine's log-probs drive the IS weights and alpha.
+       minibatch of the first pass; the rollout engine's log-probs drive the IS weights.
     2. A NaN or inf gradient skips the optimizer step on every rank; the step is counted as skipped.
     3. Data parallelism sums gradients with one all-reduce per optimizer step instead of wrapping the model in
        DDP: with dynamic sampling, ranks keep different numbers of groups, and DDP's hooks would hang on
@@ -56,7 +56,8 @@ def is_weights(old_logp, rollout_logp, mask, mode, cap=2.0, lo=0.5, hi=2.0):
     ratio = p_train / p_rollout per sampled token. "tis": min(ratio, cap) (truncated IS, as in TIS/FlashRL);
     "mis": ratio where lo <= ratio <= hi, else 0 (the token is dropped); "none": 1. Returns weights (N, T),
     detached, and stats: the fraction truncated or masked, and the per-sample acceptance rate
-    alpha = min(1, ratio) (mean and 5th percentile), the mismatch statistic of Sparrow."""
+    alpha = min(1, ratio) of the sampled token (mean and 5th percentile): a diagnostic. Sparrow's
+    statistic, the one thresholds apply to, is per position (sparsity.dense_alpha)."""
     ratio = torch.exp((old_logp - rollout_logp).clamp(max=20.0)) * mask
     m = mask.bool()
     alpha = alpha_sample(old_logp, rollout_logp)[m]
@@ -225,14 +226,13 @@ def optimizer_step(cfg, model, opt, world, group, loss_ok=True):
 
 
 def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=None, ref_model=None,
-             dense_dist=False, alpha_bins=False):
+             dense_dist=False):
     """`passes` x `minibatches` optimizer steps over one batch of kept rollouts (the same count on every rank,
     whatever its share of the batch). Token-level loss over the global minibatch. `rollout_logp` (N, T), the
     rollout policy's log-probs at the target positions, drives the IS correction and the mismatch statistics.
     `group` is the trainers' process group (None: every rank); `ref_model` the frozen reference (kl_coef > 0).
     Returns {"stats": loss sum, tokens, clipped, skipped, grad norm (summed); this rank's mismatch figures;
-    "_dense_full": the dense log-softmax at the targets when `dense_dist`; "_alpha": (alpha, cached pages) per
-    token when `alpha_bins`}."""
+    "_dense_full": the dense log-softmax at the targets when `dense_dist`}."""
     stats = torch.zeros(5, device=ids.device, dtype=torch.float64)
     ntok = tmask.sum().double()
     if world > 1:
@@ -276,12 +276,8 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
     taken = cfg.passes * cfg.minibatches - stats[3]
     stats[4] = stats[4] / taken.clamp(min=1)  # the mean gradient norm of the steps taken, not their sum
     stats[1] = tmask.sum() * cfg.passes
-    out = {"stats": stats, "alpha_mean": mis["alpha_mean"], "alpha_p5": mis["alpha_p5"],
+    out = {"stats": stats, "sample_alpha_mean": mis["alpha_mean"], "sample_alpha_p5": mis["alpha_p5"],
            "is_cut": mis["is_cut"] / max(1, int(tmask.sum()))}
     if dense_dist:
         out["_dense_full"] = dense_full
-    if rollout_logp is not None and alpha_bins:  # the tail statistic per bin of cached pages
-        a = alpha_sample(old, rollout_logp)  # position t scores token t + 1: t + 1 tokens are cached
-        pages = (torch.arange(ids.shape[1], device=ids.device) + cfg.page_size) // cfg.page_size
-        out["_alpha"] = (a[tmask].cpu(), pages.expand_as(tmask)[tmask].cpu())
     return out

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import sys
 
 import torch
 from tqdm import tqdm
@@ -95,7 +96,8 @@ def warm_start(cfg, tok, dev, log, rank=0):
     rng = random.Random(cfg.seed)
     log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} "
         f"steps")
-    for step in tqdm(range(cfg.sft_steps), desc="sft", disable=rank != 0, dynamic_ncols=True):
+    bar = rank == 0 and sys.stderr.isatty()  # a bar in a file is one endless line: only on a terminal
+    for step in tqdm(range(cfg.sft_steps), desc="sft", disable=not bar, dynamic_ncols=True):
         batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
         p_ids = [tok.encode(p.prompt, add_special_tokens=False) for p in batch]
         c_ids = [torch.tensor(tok.encode(teacher_trace(p, cfg.sft_noise, rng),

@@ -20,4 +20,4 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import train
     use_parity_reward(setattr)
-    sys.exit(train.cli(sys.argv[1:]))
+    sys.exit(train.cli(train.main, sys.argv[1:]))

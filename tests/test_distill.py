@@ -62,6 +62,15 @@ def test_replay_mask_is_causal_and_dense_in_the_prompt():
     assert m[6].tolist() == [False] * 4 + [True, True, False]
 
 
+def test_a_query_that_read_no_page_sees_itself_not_an_empty_row():
+    read = torch.zeros(1, 3, 1, 1, 4, dtype=torch.bool)  # a padded record: token 1 read nothing
+    read[0, 2, 0, 0, 0] = True
+    m = ReplayCache(read, [5], page_size=2, dense_layers=0).mask(0, 7, "cpu")[0, 0]
+    assert m.any(-1).all()  # no backend meets an all-masked row
+    assert m[5].tolist() == [False] * 5 + [True, False]  # the empty query sees only itself
+    assert m[6].tolist() == [True, True] + [False] * 5  # a real record is unchanged
+
+
 def test_adapter_starts_as_the_policy_and_refresh_keeps_it():
     m = model4()
     ds = DistillSparse(m, r=4, page_size=4, dense_layers=1)

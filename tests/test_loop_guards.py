@@ -38,7 +38,7 @@ def test_lora_dropout_stays_out_of_rollouts_and_old_logprobs(tmp_path, monkeypat
     recs = train.main(TINY_RUN + ["--steps=1", "--lora_r=2", "--lora_dropout=0.5", "--lr=1e-3",
                                   f"--out_dir={tmp_path}", "--save_every=100"])["records"]
     assert recs[0]["tokens"] > 0
-    assert recs[0]["alpha_mean"] == pytest.approx(1.0, abs=1e-4)  # the rollout policy is the trained one
+    assert recs[0]["sample_alpha_mean"] == pytest.approx(1.0, abs=1e-4)  # rollout policy = trained policy
 
 
 def test_a_refill_never_redraws_a_prompt_of_the_same_step():
@@ -111,3 +111,30 @@ def test_the_signal_bench_stops_early_on_the_default_schedule():
         assert cfg.steps == default.steps and 0 < cfg.stop_at < cfg.steps
         assert [update.lr_at(cfg, s) for s in range(cfg.stop_at)] == [update.lr_at(default, s)
                                                                        for s in range(cfg.stop_at)]
+
+
+@pytest.mark.parametrize("script", ["train.py", "calibrate.py"])
+def test_entry_points_report_a_bad_key_in_one_line(script):
+    r = subprocess.run([sys.executable, script, "--stpes=3"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == "error: unknown config key 'stpes' (did you mean 'steps'?)"
+
+
+def test_the_loop_measures_alpha_on_every_generated_row_not_only_kept_groups(tmp_path, monkeypatch):
+    import reward
+    orig = reward.Cascade.score_batch
+
+    def all_zero(self, problems, texts, group_size=1, **kw):  # every group is dropped
+        res = orig(self, problems, texts, group_size, **kw)
+        res.rewards = [0.0] * len(texts)
+        return res
+
+    monkeypatch.setattr(reward.Cascade, "score_batch", all_zero)
+    recs = train.main(TINY_RUN + ["--steps=1", "--refill_tries=0", "--page_size=2", "--dense_layers=0",
+                                  "--kv_budget=fixed:2", "--kv_bin_pages=4", f"--out_dir={tmp_path}",
+                                  "--save_every=100"])["records"]
+    r = recs[0]
+    assert r["groups_kept"] == 0 and r["tokens"] == 0  # nothing trained...
+    assert sum(r["alpha_bins"]["count"]) == r["new_tokens"]  # ...and yet every generated token was measured
+    assert 0 < r["alpha_p5"] <= r["alpha_mean"] <= 1

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from rollout import Engine
-from sparsity import alpha_exact, alpha_sample, alpha_topk, bin_stats, dense_logprobs, fixed_budget
+from sparsity import (alpha_exact, alpha_k, alpha_sample, alpha_topk, bin_stats, dense_alpha, dense_logprobs,
+                      fixed_budget)
 
 
 def logp(*probs):
@@ -143,3 +144,56 @@ def test_engine_full_vocab_topk_gives_exact_alpha_and_k0_keeps_nothing():
                 atol=1e-5)
             # token 0 comes from the dense prefill: 1
             assert (exact <= 1).all() and (exact > 0.5).all()
+
+
+# --------------------------------------------------------------------- Sparrow's per-position alpha
+
+
+def sparse_rollout(topk, seed=3):
+    m, tok = tiny_model(), CharTok()
+    kw = dict(max_new_tokens=12, temperature=1.0, page_size=2, topk_logprobs=topk)
+    ro = (Engine(m, tok, sparse=fixed_budget(1), dense_layers=0, keep_recent=1, **kw)
+          .generate(PROMPTS, 2, seed=seed))
+    return m, ro
+
+
+def test_dense_alpha_is_one_minus_tv_by_hand():
+    m, ro = sparse_rollout(topk=30)  # the whole vocabulary: exact
+    got = dense_alpha(m, PROMPTS, ro, temperature=1.0, micro_batch=3)  # rows split across batches
+    with torch.no_grad():
+        for i in range(len(ro)):
+            n, p = int(ro.mask[i].sum()), PROMPTS[i // 2]
+            for t in range(n):  # one position at a time: the dense forward of the prefix alone
+                pd = F.softmax(m(torch.tensor([p + ro.tokens[i, :t].tolist()]))[0, -1], -1)
+                ps = torch.zeros(30).scatter(0, ro.topk_ids[i, t], ro.topk_logp[i, t].exp())
+                assert got[i, t].item() == pytest.approx(1 - 0.5 * (pd - ps).abs().sum().item(), abs=1e-5)
+    assert (got[~ro.mask] == 0).all() and (got[ro.mask] < 1 - 1e-3).any()  # sparse changed something
+
+
+def test_dense_alpha_from_top_k_is_a_lower_bound_equal_at_k_equal_v():
+    m, exact = sparse_rollout(topk=30)
+    a_exact = dense_alpha(m, PROMPTS, exact)
+    for k in (1, 3, 10):
+        _, ro = sparse_rollout(topk=k)  # the same seed: the same tokens
+        assert torch.equal(ro.tokens, exact.tokens)
+        a = dense_alpha(m, PROMPTS, ro)
+        assert (a[ro.mask] <= a_exact[ro.mask] + 1e-6).all()
+    assert (a[ro.mask] < a_exact[ro.mask] - 1e-4).any()  # top-10 of 30 misses some mass somewhere
+    with pytest.raises(ValueError, match="topk_logprobs"):
+        dense_alpha(m, PROMPTS, Engine(m, CharTok(), max_new_tokens=2).generate(PROMPTS))
+    assert alpha_k(30) == 30 and alpha_k(151_936) == 20 and alpha_k(151_936, 5) == 5
+
+
+def test_calibration_thresholds_the_per_position_alpha(monkeypatch):
+    import calibrate
+    m, tok, seen = tiny_model(), CharTok(), []
+    real = calibrate.dense_alpha
+
+    def spy(*a, **k):
+        seen.append(real(*a, **k))
+        return seen[-1]
+
+    monkeypatch.setattr(calibrate, "dense_alpha", spy)
+    calibrate.calibrate_engine(m, tok, PROMPTS, [1, 2, 16], bin_pages=4, group_size=2, threshold=0.5,
+                               max_new_tokens=12, page_size=2, dense_layers=0, keep_recent=1)
+    assert seen  # every candidate's p5 came from Sparrow's statistic

@@ -129,9 +129,10 @@ def test_schedule_drives_the_engine_and_calibrate_engine_runs():
     assert torch.equal(dense.tokens, wide.tokens)  # a table past every cached length reads densely
     # no EOS: every row runs to the end, so every bin has tokens
     kw.update(temperature=1.0, eos_ids=[99])
+    # per-position alpha of a random tiny model sits close to 1: a high threshold shows the tail
     s = calibrate_engine(m, tok, prompts, [1, 3, 6, 12, 40], bin_pages=4, group_size=4,
-                         threshold=0.95, **kw)
-    assert isinstance(s, Schedule) and len(s.table) == 5 and s.threshold == 0.95
+                         threshold=0.99, **kw)
+    assert isinstance(s, Schedule) and len(s.table) == 5 and s.threshold == 0.99
     assert all(a <= b for a, b in zip(s.table, s.table[1:])) and set(s.table) <= {1, 3, 6, 12, 40}
     assert s.table[-1] > s.table[0]  # the tail worsens with length even in a random tiny model
     assert calibrate_engine(m, tok, prompts, [1, 40], bin_pages=4, group_size=4, threshold=0.0,
