@@ -7,9 +7,16 @@ checkpoint.py: atomic save and exact resume.
 A checkpoint is a Hugging Face folder (config.json, model.safetensors, the tokenizer), so
 transformers and other engines load the trained model as it is, plus trainer_state.pt: the step, the
 optimizer, the sampler, the run's history, the RNG state, the config, and the state of whatever else
-the run keeps (the KV schedule, its controller, the DistillSparse adapter). With LoRA the folder
-also holds the adapter in PEFT's format, and resume loads the adapter (model.safetensors holds the
-merged weights, for other engines).
+the run keeps (the KV schedule, its controller, the DistillSparse adapter).
+
+With LoRA:
+    ckpt/                  the merged model (base + adapter folded in): what transformers loads
+    ckpt/adapter/          the adapter alone, in PEFT's format; its adapter_config.json names the
+                           base (cfg.model, or out_dir/warmstart as an absolute path)
+    The adapter is kept out of ckpt/ itself because transformers, with PEFT installed, applies an
+    adapter_config.json that it finds beside model.safetensors: the merged weights would get the
+    adapter a second time. Resume loads the adapter from ckpt/adapter/ onto the base weights the
+    run built (from an older checkpoint that kept it in ckpt/, from there).
 
 Simplifications:
     1. One checkpoint, overwritten; no history of checkpoints.
@@ -37,9 +44,10 @@ def save_atomic(path, write):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     write(tmp)
-    for fn in os.listdir(tmp):  # flush file contents before the rename makes them visible
-        with open(os.path.join(tmp, fn), "rb") as f:
-            os.fsync(f.fileno())
+    for d, _, files in os.walk(tmp):  # flush file contents before the rename makes them visible
+        for fn in files:
+            with open(os.path.join(d, fn), "rb") as f:
+                os.fsync(f.fileno())
     if os.path.exists(path):
         shutil.rmtree(f"{path}.old", ignore_errors=True)
         os.replace(path, f"{path}.old")
@@ -55,11 +63,15 @@ def save_checkpoint(cfg, model, tok, opt, sampler, step, history, extra):
              **{k: None if v is None else v.state_dict() for k, v in extra.items()},
              "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
 
+    base = cfg.model or os.path.join(cfg.out_dir, "warmstart")  # the weights the adapter sits on
+    if os.path.isdir(base) or not cfg.model:  # a folder: absolute, so PEFT finds it from anywhere
+        base = os.path.abspath(base)
+
     def write(d):
-        model.save_pretrained(d)
+        model.save_pretrained(d)  # the adapter folded in
         tok.save_pretrained(d)
         if cfg.lora_r:
-            save_adapter(model, d, cfg.model or "warmstart")
+            save_adapter(model, os.path.join(d, "adapter"), base)
         torch.save(state, os.path.join(d, "trainer_state.pt"))
 
     save_atomic(os.path.join(cfg.out_dir, "ckpt"), write)
@@ -75,7 +87,8 @@ def load_checkpoint(cfg, model, opt, sampler, dev, extra):
         raise FileNotFoundError(f"resume=True but there is no checkpoint in {cfg.out_dir}/ckpt")
     if cfg.lora_r:
         # model.safetensors holds the merged weights (for other engines); resume from the adapter
-        load_adapter(model, path)
+        adapter = os.path.join(path, "adapter")
+        load_adapter(model, adapter if os.path.isdir(adapter) else path)
     else:
         sd = load_file(os.path.join(path, "model.safetensors"), device=str(dev))
         model.load_state_dict(sd, strict=not model.config.tie_word_embeddings)

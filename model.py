@@ -24,14 +24,17 @@ LoRA (stage 4, sparse updates):
     save_adapter(model, "out/adapter", "Qwen/Qwen3-0.6B")  # PEFT's files:
                                         # PeftModel.from_pretrained loads them
     load_adapter(model, "out/adapter")  # add_lora with the folder's config, then its tensors
-                                        # (ours or PEFT's)
+                                        # (ours, or PEFT's on nn.Linear modules: see its doc)
     merge_lora(model)                   # folds W + alpha/r * B @ A in place: plain Linears again
     `state_dict()` keeps PEFT's names (q_proj.base_layer.weight, q_proj.lora_A.weight), which
     sync.py's adapter mode ships. `save_pretrained` folds the enabled adapters into a copy, so a
     LoRA model's checkpoint is a plain one that transformers loads. `LoRALinear.enabled = False` (or
     `set_lora_enabled(model, False)`) gives the base output exactly. MoE experts keep one adapter
     per expert linear, under per-expert names; PEFT folds them onto transformers' fused expert
-    tensors when it loads the adapter (tested with peft 0.21, transformers 5).
+    tensors when it loads the adapter (tested with peft 0.21, transformers 5). PEFT takes every
+    gate/up/down_proj target for the experts, so on a Qwen3-MoE with dense layers
+    (mlp_only_layers, decoder_sparse_step) save_adapter names the dense MLPs' weights in
+    target_parameters instead. PEFT's own adapters on the fused experts do not load here.
 
 Simplifications:
     1. No sliding-window attention, no rope scaling variants (Qwen3's dense and MoE checkpoints use
@@ -383,6 +386,7 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(base.in_features, r, **kw)
         self.lora_B = nn.Linear(r, base.out_features, **kw)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.train(base.training)  # a model in eval mode stays so: no dropout after add_lora
         # PEFT's init: A random, B zero, so the adapted model starts as the base model
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
@@ -416,6 +420,12 @@ def _swap(model, name, new):
     setattr(model.get_submodule(parent), child, new)
 
 
+def _target_of(name, targets):
+    """The first target that names module `name`: the name itself or a dotted suffix of it (PEFT's
+    rule for a target list, and for its exclude list)."""
+    return next((t for t in targets if name == t or name.endswith("." + t)), None)
+
+
 def add_lora(model, r=8, alpha=16, dropout=0.0, targets=LORA_TARGETS):
     """Wrap, in place, every nn.Linear whose name is a target or ends in "." + target (PEFT's rule)
     in a LoRALinear, freeze every other parameter, and return the model. lm_head stays a plain
@@ -427,7 +437,7 @@ def add_lora(model, r=8, alpha=16, dropout=0.0, targets=LORA_TARGETS):
     targets = [targets] if isinstance(targets, str) else list(targets)
     hits = {t: [] for t in targets}
     for name, m in model.named_modules():
-        t = next((t for t in targets if name == t or name.endswith("." + t)), None)
+        t = _target_of(name, targets)
         if t is None:
             continue
         if m is getattr(model, "lm_head", None):
@@ -486,15 +496,60 @@ def merge_lora(model):
     return model
 
 
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_adapter_targets(model):
+    """The adapter_config.json entries that make PEFT adapt, on transformers' Qwen3-MoE, exactly the
+    modules this (MoE) model adapts.
+
+    With transformers 5, PEFT reads every target that is or ends in gate_proj / up_proj / down_proj
+    as the fused expert tensors (gate_up_proj, down_proj) of every MoE layer, and drops it as a
+    module target: a dense layer's MLP (mlp_only_layers, decoder_sparse_step) would lose its
+    adapter. So the dense layers' MLP adapters are written as target_parameters by full weight name
+    (PEFT applies those as written, with the same lora_A / lora_B tensors), and the MLP names in
+    target_modules are the expert kinds alone. Raises where PEFT cannot express the model's
+    adapters: experts of one kind adapted in some layers or experts only, or gate_proj without
+    up_proj (they are one fused tensor)."""
+    cfg, adapted = model.config, {n for n, _ in lora_modules(model)}
+    layers = range(cfg.num_hidden_layers)
+    experts = {k: [f"model.layers.{i}.mlp.experts.{e}.{k}" for i in layers if cfg.is_moe_layer(i)
+                   for e in range(cfg.num_experts)] for k in MLP_LINEARS}
+    kinds = [k for k in MLP_LINEARS if any(n in adapted for n in experts[k])]
+    partial = [n for k in kinds for n in experts[k] if n not in adapted]
+    if partial or len({"gate_proj", "up_proj"} & set(kinds)) == 1:
+        raise ValueError(f"save_adapter: PEFT adapts a Qwen3-MoE's experts through transformers' "
+                         f"fused tensors, every expert of every MoE layer at once and gate_proj "
+                         f"with up_proj; this model adapts {kinds} on the experts but not "
+                         f"{partial[:3] or ['up_proj' if 'gate_proj' in kinds else 'gate_proj']}")
+    dense = [f"model.layers.{i}.mlp.{k}" for i in layers if not cfg.is_moe_layer(i)
+             for k in MLP_LINEARS]
+    params = [n + ".weight" for n in dense if n in adapted]
+    targets = [t for t in model.lora_config["target_modules"]
+               if t.rpartition(".")[2] not in MLP_LINEARS] + kinds
+    # where PEFT does not rewrite them (transformers 4), the kinds would match the dense MLPs
+    # too
+    exclude = [n for n in dense if n.rpartition(".")[2] in kinds]
+    out = dict(target_modules=targets, target_parameters=params or None,
+               exclude_modules=exclude or None)
+    if kinds or params:
+        # PEFT refuses input dropout on a parameter target; dropout only acts in training
+        out["lora_dropout"] = 0.0
+    return out
+
+
 def save_adapter(model, out_dir, base_model_name_or_path):
     """adapter_config.json + adapter_model.safetensors, the files
     peft.PeftModel.from_pretrained(hf_model, out_dir) loads onto the transformers model of the same
-    checkpoint."""
+    checkpoint. On a Qwen3-MoE the config says which MLPs are experts and which dense (see
+    _moe_adapter_targets), and its lora_dropout is 0."""
     from safetensors.torch import save_file
     if not lora_modules(model) or not hasattr(model, "lora_config"):
         raise ValueError("save_adapter: the model has no LoRA adapters (call add_lora first)")
+    targets = _moe_adapter_targets(model) if model.config.num_experts else {}
     cfg = dict(peft_type="LORA", task_type="CAUSAL_LM",
-               base_model_name_or_path=base_model_name_or_path, **model.lora_config, bias="none",
+               base_model_name_or_path=base_model_name_or_path,
+               **{**model.lora_config, **targets}, bias="none",
                fan_in_fan_out=False, inference_mode=True, init_lora_weights=True, use_rslora=False,
                use_dora=False, modules_to_save=None, layers_to_transform=None, layers_pattern=None,
                rank_pattern={}, alpha_pattern={}, revision=None)
@@ -505,21 +560,51 @@ def save_adapter(model, out_dir, base_model_name_or_path):
     save_file(sd, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
+def _adapter_targets(model, cfg, adapter_dir):
+    """The add_lora targets that an adapter config names: its target_modules, less its
+    exclude_modules, plus the weights in target_parameters (as save_adapter writes them for a
+    Qwen3-MoE's dense MLPs). Raises on what one rank per nn.Linear cannot hold."""
+    params = cfg.get("target_parameters") or []
+    # (already wrapped on resume)
+    linears = {n for n, m in model.named_modules()
+               if type(m) is nn.Linear or isinstance(m, LoRALinear)}
+    fused = [p for p in params if not (p.endswith(".weight") and p[:-len(".weight")] in linears)]
+    if fused:
+        # PEFT's adapter on a fused (E, 2 * I, C) gate_up_proj has one rank over gate and up
+        # together: gate's and up's parts are not two adapters of that rank each
+        raise ValueError(f"adapter {adapter_dir}: target_parameters {fused} are not nn.Linear "
+                         f"weights of this model (PEFT's adapters on transformers' fused MoE "
+                         f"experts do not load: LoRA here has one rank per nn.Linear)")
+    odd = {k: cfg.get(k) for k in ("use_dora", "use_rslora", "fan_in_fan_out", "rank_pattern",
+                                   "alpha_pattern", "layers_to_transform") if cfg.get(k)}
+    tm, ex = cfg.get("target_modules"), cfg.get("exclude_modules") or []
+    if cfg.get("peft_type") != "LORA" or odd or not isinstance(tm, list) or isinstance(ex, str):
+        raise ValueError(f"adapter {adapter_dir}: only plain LoRA with target_modules (and any "
+                         f"exclude_modules) as lists is supported (peft_type "
+                         f"{cfg.get('peft_type')!r}, target_modules {tm!r}, exclude_modules "
+                         f"{ex!r}, {odd})")
+    if not params and not ex:
+        return tm
+    names = [n for n, _ in model.named_modules() if _target_of(n, tm) and not _target_of(n, ex)]
+    return list(dict.fromkeys(names + [p[:-len(".weight")] for p in params]))
+
+
 @torch.no_grad()
 def load_adapter(model, adapter_dir):
     """add_lora with an adapter folder's config (unless the model has adapters already, e.g. on
-    resume), then its tensors (ours or PEFT's); returns the model."""
+    resume), then its tensors; returns the model.
+
+    What loads: save_adapter's files, and PEFT's plain LoRA (no DoRA, rsLoRA, rank or alpha
+    patterns) whose targets are nn.Linear modules: any adapter on a dense Qwen3, and on a
+    Qwen3-MoE one on the attention only, or on the experts in the per-expert layout that
+    save_adapter writes. Refused, with an error that says so: PEFT's adapters on a Qwen3-MoE's
+    fused experts, which transformers 5 makes (target_parameters gate_up_proj / down_proj)."""
     from safetensors.torch import load_file
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         cfg = json.load(f)
-    odd = {k: cfg.get(k) for k in ("use_dora", "use_rslora", "fan_in_fan_out") if cfg.get(k)}
-    if cfg.get("peft_type") != "LORA" or odd or not isinstance(cfg.get("target_modules"), list):
-        raise ValueError(f"adapter {adapter_dir}: only plain LoRA with a target_modules list is "
-                         f"supported (peft_type {cfg.get('peft_type')!r}, target_modules "
-                         f"{cfg.get('target_modules')!r}, {odd})")
+    targets = _adapter_targets(model, cfg, adapter_dir)
     if not lora_modules(model):
-        add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0),
-                 cfg["target_modules"])
+        add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), targets)
     own, sd = (lora_state_dict(model),
                load_file(os.path.join(adapter_dir, "adapter_model.safetensors")))
     if set(own) != set(sd):

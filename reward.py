@@ -1,39 +1,50 @@
-"""Rewards for GRPO (stage 3): the verifier cascade. Cheap checks first; most completions end in a zero.
+"""Rewards for GRPO (stage 3): the verifier cascade. Cheap checks first; most completions end in a
+zero.
 
 A completion goes down the stages and stops at the first that decides it, so the expensive stages
 see only what the cheap ones let through:
-    1 dedup   identical completions within a group are scored once; the copies get the same reward
-    2 cheap   an answer is extractable and non-empty (code: a ```python block that ast.parse
-              accepts), at most max_chars long. A failure scores 0 and stops
-    3 exact   the answer equals the reference after normalize_answer (a clear pass), or both are
-              plain integers and their values decide (072 = 72 passes, 71 != 72 fails); either
-              way it stops here. Only what neither settles goes on
-    4 verify  math-verify symbolic equivalence for math, gsm8k and synthetic answers (1/2 = 0.5 =
-              \\frac{1}{2}, "9>" = 9); the unit tests in the sandbox (sandbox.py) for code
+    1 dedup   identical completions (same text, same finish) within a group are scored once; the
+              copies get the same reward
+    2 cheap   a completion cut at max_new_tokens (finish "length") scores 0, counted as truncated.
+              Else an answer is extractable and non-empty (code: a ```python block that
+              ast.parse accepts), at most max_chars long. A failure scores 0 and stops
+    3 exact   tasks.cheap_verdict: equal after normalize_answer, plain numbers by exact value
+              (072 = 72, .5 = 1/2 = \\frac{1}{2}, 0.333333 != 1/3), a decimal approximation of a
+              symbolic reference fails (1.41421356 for \\sqrt{2}). What it settles stops here
+    4 verify  math-verify symbolic equivalence for math and gsm8k answers (\\frac{\\sqrt{2}}{2} =
+              \\frac{1}{\\sqrt{2}}); the unit tests in the sandbox (sandbox.py) for code
     5 judge   optional, a callable (prompt, completion, reference) -> float (a small model, a user
               function): a second look at what was rejected (judge_on="rejected") or a grade for
               what passed ("passed"); tasks with no verifier go to it directly
-`Cascade.score_batch` returns a RewardResult: per completion the reward, the stage that decided it
-and that call's seconds; per stage the completions that reached it and its time; the errors and
-timeouts. `summary()` gives the short dict for the log line. A verifier or judge that raises or
-hangs gives 0, is counted, and never stops the loop: math-verify runs in a worker process that is
-killed at its deadline (it hangs for good on 10^{10^{10^{10}}}), the judge in a thread.
+`Cascade.score_batch` returns a RewardResult: per completion the reward (a finite float), the stage
+that decided it and that call's seconds; per stage the completions that reached it and its time;
+the truncated, errors and timeouts. `summary()` gives the short dict for the log line. A verifier
+or judge that raises, hangs or returns a non-number gives 0, is counted, and never stops the loop:
+math-verify runs in a worker process killed at its deadline (it hangs for good on
+10^{10^{10^{10}}}), the judge on a fixed pool of judge_workers threads; a judge score that is not
+finite or beyond +-1e6 (1e39 is inf in float32) is an error. `overlong_penalty` is DAPO's soft
+overlong punishment, for the loop to add to the rewards.
 
 Simplifications:
   1. Dedup matches exact text within a group; near-duplicates are scored separately.
-  2. For gsm8k the format check accepts the last number of the text when there is no "####".
+  2. Credit needs the task's answer marker: a gsm8k completion without "####" scores 0, here and
+     in score_one (no fallback to the last number). A truncated completion scores 0, whatever
+     it says.
   3. Code scores 1 only if every assert of test_list passes (no partial credit); MBPP's challenge
      tests stay in meta, unused.
-  4. A judge call past its deadline is abandoned, not killed (threads cannot be): a judge that
-     hangs for good keeps one idle thread per call.
+  4. A judge call past its deadline is abandoned, not killed (threads cannot be): its thread
+     stays busy until the judge returns, and no thread is added for it; while all judge_workers
+     threads are stuck, judge calls score 0 at once and count as timeouts.
   5. A math-verify worker stuck when the trainer dies lives on until its memory cap or its alarm.
   6. `score` / `score_one` are the cheap path alone (stage 3, no processes) for quick checks.
-  7. Only integers are settled by value: decimals and expressions go to math-verify, which rounds
-     (it calls 0.333333 and 0.3333333 equal) and reads expressions, where a cheap rule could disagree.
+  7. Stage 3 settles plain numbers by exact value, and fails a decimal approximation of a
+     symbolic reference, because math-verify rounds (it calls 0.333333 and 1/3, 1.41421356 and
+     \\sqrt{2} equal); what stage 3 leaves to math-verify (expressions) keeps that rounding.
 
     with Cascade(max_chars=8000) as cascade:
-        res = cascade.score_batch(problems, completions, group_size=8)
-    res.rewards, res.stages, res.summary()  # {"reach_exact": .., "reach_verify": .., ...}
+        res = cascade.score_batch(problems, completions, group_size=8, finish=ro.finish)
+    res.rewards, res.stages, res.summary()  # {"reach_exact": .., "truncated": .., ...}
+    overlong_penalty([80, 90, 100], max_new_tokens=100, buffer=20)  # [0.0, -0.5, -1.0]
 
 `python reward.py` scores a small hand-made batch and prints what decided each completion.
 """
@@ -45,115 +56,168 @@ import importlib.util
 import inspect
 import json
 import math
+import numbers
 import os
-import re
 import select
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from queue import Queue
 from typing import Callable, Optional, Sequence
 
 from sandbox import extract_code, run_program, run_tests
-from tasks import EXTRACTORS, Problem, extract_answer
+from tasks import EXTRACTORS, Problem, cheap_verdict, extract_answer, normalize_answer  # noqa: F401
 
-def normalize_answer(s: Optional[str]) -> str:
-    """A small canonical form so that trivially different spellings compare equal.
-
-    In order: drop "\\left"/"\\right", "$" and all whitespace; remove thousands commas
-    ("1,234,567" -> "1234567", while "(1,2)" keeps its comma); strip a trailing "."; drop a zero
-    fractional part ("5.0", "5.00" -> "5"). Anything smarter (fractions vs decimals, symbolic
-    equivalence) belongs to the verifier, not here. None normalizes to "".
-    """
-    if s is None:
-        return ""
-    s = str(s).replace("\\left", "").replace("\\right", "").replace("$", "")
-    s = re.sub(r"\s+", "", s)
-    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", s)
-    s = s.rstrip(".")
-    s = re.sub(r"^(-?\d+)\.0+$", r"\1", s)
-    return s
-
-
-_INTEGER = re.compile(r"(-?)0*(\d+)")
-
-
-def _integer(s: str) -> Optional[str]:
-    """A canonical spelling of a plain integer ("-007" -> "-7", "-0" -> "0"), or None. Strings, not
-    int(): Python refuses to convert integers of more than 4,300 digits."""
-    m = _INTEGER.fullmatch(s)
-    if m is None:
-        return None
-    return m.group(2) if m.group(2) == "0" else m.group(1) + m.group(2)
-
-
-def cheap_verdict(pred: Optional[str], gold: Optional[str]) -> Optional[bool]:
-    """The cascade's stage 3: True or False when a cheap comparison settles it, None when only a verifier can.
-
-    Equal after normalize_answer: True. Both plain integers: their values decide ("072" passes for
-    "72", "71" fails). No answer or no reference answer: False. Anything else (fractions, decimals,
-    expressions, leftovers such as "9>") is None: math-verify reads those, and a cheap rule could
-    disagree with it.
-    """
-    p, g = normalize_answer(pred), normalize_answer(gold)
-    if not p or not g:
-        return False
-    if p == g:
-        return True
-    ip, ig = _integer(p), _integer(g)
-    return None if ip is None or ig is None else ip == ig
+JUDGE_MAX = 1e6  # a judge score beyond +-JUDGE_MAX (or not finite) is a fault, not a reward
 
 
 def score_one(problem, completion: str) -> float:
-    """1.0 if the answer extracted from `completion` (by problem.task) matches problem.answer, else 0.0.
-
-    A match is what cheap_verdict calls True (equal after normalize_answer, or equal integers); a
-    completion with no extractable answer scores 0.0. The cheap path only (no math-verify, no sandbox):
-    what the Cascade below would send to math-verify scores 0 here.
-    """
+    """1.0 if the answer extracted from `completion` (by problem.task) is one that cheap_verdict
+    calls equal to problem.answer, else 0.0 (no answer, e.g. a gsm8k one without "####", too).
+    The cheap path only (no math-verify, no sandbox): what the Cascade below would send to
+    math-verify scores 0 here."""
     pred = extract_answer(problem.task, completion if isinstance(completion, str) else "")
     return 1.0 if pred is not None and cheap_verdict(pred, problem.answer) else 0.0
 
 
 def score(problems: Sequence, completions: Sequence[str]) -> list[float]:
-    """score_one over aligned lists (one completion per problem; repeat problems for a GRPO group)."""
+    """score_one over aligned lists (one completion per problem; repeat problems for a group)."""
     if len(problems) != len(completions):
         raise ValueError(f"score: {len(problems)} problems but {len(completions)} completions")
     return [score_one(p, c) for p, c in zip(problems, completions)]
 
 
+def overlong_penalty(lengths: Sequence[int], max_new_tokens: int, buffer: int,
+                     penalty: float = 1.0) -> list[float]:
+    """DAPO's soft overlong punishment: one value per completion length (in tokens), to add to
+    its reward.
+
+    0 while L <= max_new_tokens - buffer; then -penalty * (L - (max_new_tokens - buffer)) / buffer,
+    a ramp down to -penalty at L = max_new_tokens (and -penalty past it). buffer 0: all zeros.
+    overlong_penalty([80, 90, 100], 100, 20) -> [0.0, -0.5, -1.0].
+    """
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (max_new_tokens, buffer))
+    if not (ints and 0 <= buffer <= max_new_tokens and max_new_tokens >= 1):
+        raise ValueError(f"overlong_penalty: needs ints 0 <= buffer <= max_new_tokens, got "
+                         f"buffer={buffer!r}, max_new_tokens={max_new_tokens!r}")
+    if not (isinstance(penalty, (int, float)) and math.isfinite(penalty) and penalty >= 0):
+        raise ValueError(f"overlong_penalty: penalty must be a finite number >= 0, got {penalty!r}")
+    if buffer == 0:
+        return [0.0] * len(lengths)
+    start = max_new_tokens - buffer
+    return [-penalty * min(n - start, buffer) / buffer if n > start else 0.0
+            for n in map(int, lengths)]
+
+
 # ---------------------------------------------------------------------------------------------
-# Calls with a deadline: a thread for the judge, a worker process for math-verify.
+# Calls with a deadline: a fixed pool of threads for the judge, a worker process for math-verify.
 
 STAGES = ("dedup", "cheap", "exact", "verify", "judge")
-MATH_VERIFY_TASKS = ("gsm8k", "math", "synthetic")  # answers that stage 3 cannot settle go on to math-verify
+MATH_VERIFY_TASKS = ("gsm8k", "math")  # answers that stage 3 cannot settle go on to math-verify
 
 
-def _call_with_timeout(fn: Callable, args: tuple, timeout_s: float) -> tuple:
-    """(value, "ok"), (None, "timeout") or (None, "error: ...") for fn(*args), run in a daemon thread.
+def _real(x) -> float:
+    """x as a float; NaN for anything that is not a real number (a string, None, 10**400)."""
+    try:
+        return float(x) if isinstance(x, numbers.Real) else math.nan
+    except (OverflowError, ValueError, TypeError):
+        return math.nan
 
-    At the deadline the thread is abandoned, not killed (threads cannot be); it never blocks exit.
-    """
-    box: dict = {}
 
-    def run():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # SystemExit from a user judge too: it must not end the trainer
-            box["error"] = f"{type(e).__name__}: {e}"
+def _judge_score(value) -> tuple:
+    """(the judge's score as a float, "ok"), or (0.0, "error: ...") for anything but a real
+    number within +-JUDGE_MAX."""
+    if math.isfinite(v := _real(value)) and abs(v) <= JUDGE_MAX:
+        return v, "ok"
+    return 0.0, f"error: the judge returned {value!r:.60}, not a finite number within +-1e6"
 
-    t = threading.Thread(target=run, daemon=True, name="zeros-reward-call")
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        return None, "timeout"
-    if "error" in box:
-        return None, "error: " + box["error"]
-    return box.get("value"), "ok"
+
+class _JudgeCall:
+    __slots__ = ("args", "start", "out", "cost", "late")
+
+    def __init__(self, args: tuple):
+        self.args, self.start, self.out, self.cost, self.late = args, None, None, 0.0, False
+
+
+class _JudgePool:
+    """`workers` threads that run the judge, started once and reused. A call's deadline counts
+    from when a worker takes it. Past it the call is a timeout and is abandoned: its worker stays
+    stuck until the judge returns, then serves again. While every worker is stuck, waiting calls
+    are timeouts at once. So a judge that hangs for good holds `workers` threads, never more."""
+
+    def __init__(self, fn: Callable, workers: int, timeout_s: float):
+        self.fn, self.workers, self.timeout_s = fn, workers, timeout_s
+        self._cv = threading.Condition()
+        self._queue: deque = deque()
+        self._threads: list = []  # the live workers; one leaves the list as it exits
+        self._stuck, self._closed = 0, False  # _stuck: workers busy with a call already timed out
+
+    def map(self, args_list: Sequence[tuple]) -> list:
+        """[(value, status, seconds)] per call; status "ok", "timeout" or "error: ..."."""
+        calls = [_JudgeCall(a) for a in args_list]
+        with self._cv:
+            self._closed = False
+            while len(self._threads) < self.workers:
+                t = threading.Thread(target=self._serve, daemon=True, name="zeros-judge")
+                self._threads.append(t)
+                t.start()
+            self._queue.extend(calls)
+            self._cv.notify_all()
+            while True:
+                wait_s = self._expire(calls)
+                if all(c.out is not None for c in calls):
+                    return [c.out + (c.cost,) for c in calls]
+                self._cv.wait(self.timeout_s if wait_s is None else wait_s)
+
+    def _expire(self, calls: list) -> Optional[float]:
+        """Time out the calls past their deadline; seconds to the next deadline (None: none)."""
+        now, wait_s = time.monotonic(), None
+        for c in calls:
+            if c.out is None and c.start is not None:
+                left = c.start + self.timeout_s - now
+                if left > 0:
+                    wait_s = left if wait_s is None else min(wait_s, left)
+                    continue
+                c.out, c.cost, c.late = (None, "timeout"), now - c.start, True
+                self._stuck += 1
+        if self._stuck >= self.workers:  # no worker left to take what waits: time it out now
+            for c in calls:
+                if c.out is None and c.start is None:
+                    self._queue.remove(c)
+                    c.out = (None, "timeout")
+        return wait_s
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    self._threads.remove(threading.current_thread())
+                    return
+                call = self._queue.popleft()
+                call.start = time.monotonic()
+                self._cv.notify_all()  # its caller now waits on its deadline
+            try:
+                out = (self.fn(*call.args), "ok")
+            except BaseException as e:  # SystemExit from a user judge too: the trainer goes on
+                out = (None, f"error: {type(e).__name__}: {e}")
+            with self._cv:
+                if call.late:
+                    self._stuck -= 1
+                else:
+                    call.out, call.cost = out, time.monotonic() - call.start
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        """Idle workers exit; a stuck one exits when its call returns."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
 
 def _parallel(fn: Callable, items: list, workers: int) -> list:
@@ -179,7 +243,8 @@ class _MathWorker:
         here = os.path.abspath(__file__)
         self.proc = subprocess.Popen(
             [sys.executable, here, "--math-worker", str(self.mem_mb), str(alarm_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=os.path.dirname(here))
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            cwd=os.path.dirname(here))
         ready = self._read(time.monotonic() + 120)  # the first import can be slow on a busy machine
         if ready != {"ready": True}:
             self.kill()
@@ -235,7 +300,8 @@ def _math_worker(mem_mb: int, alarm_s: int) -> None:
         replies.write(json.dumps(obj) + "\n")
         replies.flush()
 
-    resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))  # 10^{10^{10}} ends in MemoryError
+    # 10^{10^{10}} ends in MemoryError
+    resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
     try:
         import logging
 
@@ -243,7 +309,8 @@ def _math_worker(mem_mb: int, alarm_s: int) -> None:
         logging.disable(logging.WARNING)  # math-verify logs every parse failure
     except Exception as e:
         return send({"ready": False, "error": f"{type(e).__name__}: {e}"})
-    parse_gold = functools.lru_cache(maxsize=4096)(lambda s: parse(f"${s}$", parsing_timeout=alarm_s))
+    parse_gold = functools.lru_cache(maxsize=4096)(
+        lambda s: parse(f"${s}$", parsing_timeout=alarm_s))
     send({"ready": True})
     for line in sys.stdin:
         try:
@@ -259,15 +326,17 @@ def _math_worker(mem_mb: int, alarm_s: int) -> None:
 
 @dataclass
 class RewardResult:
-    """What the cascade decided for one batch. Lists are per completion, dicts per stage."""
-    rewards: list  # float per completion
+    """What the cascade decided for one batch. Lists are per completion, dicts per stage
+    (`reached`: the completions it looked at; `time_s`: its wall seconds)."""
+    rewards: list  # float per completion, always finite
     stages: list   # the stage (one of STAGES) that decided it
     cost_s: list   # seconds of its deciding call (0 for the cheap stages)
-    reached: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0))  # completions each stage looked at
-    time_s: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))  # wall seconds of each stage
-    by_value: int = 0         # answers that failed the string match but were settled as integers (stage 3)
+    reached: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+    time_s: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    by_value: int = 0         # answers that failed the string match but were settled in stage 3
     dedup_saved: int = 0      # copies that took the reward of their first occurrence
     saved_expensive: int = 0  # ... of which would have reached verify or judge
+    truncated: int = 0        # cut at max_new_tokens (finish "length"): 0 in stage 2
     cheap_fail: Counter = field(default_factory=Counter)   # reason -> count
     code_status: Counter = field(default_factory=Counter)  # sandbox status -> count
     errors: int = 0
@@ -275,17 +344,19 @@ class RewardResult:
     notes: list = field(default_factory=list)  # the first error and timeout messages
 
     def summary(self) -> dict:
-        """Short keys for the log line: fractions of all completions, counts, seconds."""
+        """Short keys for the log line: fractions of all completions (reach_*, cheap_fail,
+        by_value, dedup_saved), counts (truncated, errors, timeouts), seconds (t_*)."""
         n = max(1, len(self.rewards))
         out = {f"reach_{s}": self.reached[s] / n for s in ("exact", "verify", "judge")}
         out.update(cheap_fail=sum(self.cheap_fail.values()) / n, by_value=self.by_value / n,
-                   dedup_saved=self.dedup_saved / n, errors=self.errors, timeouts=self.timeouts,
-                   t_verify=self.time_s["verify"], t_judge=self.time_s["judge"], t_reward=sum(self.time_s.values()))
+                   dedup_saved=self.dedup_saved / n, truncated=self.truncated, errors=self.errors,
+                   timeouts=self.timeouts, t_verify=self.time_s["verify"],
+                   t_judge=self.time_s["judge"], t_reward=sum(self.time_s.values()))
         return out
 
 
 def combine(results: Sequence[RewardResult]) -> RewardResult:
-    """One RewardResult from several, in order (e.g. the refills of dynamic sampling in one step)."""
+    """One RewardResult from several, in order (e.g. the refills of dynamic sampling)."""
     out = RewardResult([], [], [])
     for r in results:
         for f in fields(RewardResult):  # lists concatenate, counts add, per-stage dicts add by key
@@ -296,44 +367,53 @@ def combine(results: Sequence[RewardResult]) -> RewardResult:
 
 
 class Cascade:
-    """The verifier cascade (see the module docstring). It owns the math-verify worker processes:
-    close() it when done, or use it in a `with` block.
+    """The verifier cascade (see the module docstring). It owns the math-verify worker processes
+    and the judge's threads: close() it when done, or use it in a `with` block.
 
     max_chars: longer completions fail the cheap checks (None: no limit). math_verify: False lets
-    stage 3 alone decide math, gsm8k and synthetic (what it cannot settle scores 0). verify_timeout_s,
+    stage 3 alone decide math and gsm8k (what it cannot settle scores 0). verify_timeout_s,
     verify_workers, verify_mem_mb: the deadline of one math-verify call, the number of worker
     processes, the memory cap of each.
     code_limits: sandbox limits (run_tests keywords); code_workers: sandbox runs at a time.
-    judge, judge_on ("rejected" or "passed"), judge_timeout_s, judge_workers: see stage 5.
+    judge, judge_on ("rejected" or "passed"), judge_timeout_s (the deadline of one call),
+    judge_workers (the judge's threads, all it will ever use): see stage 5.
     """
 
-    def __init__(self, max_chars: Optional[int] = None, math_verify: bool = True, verify_timeout_s: float = 5.0,
-                 verify_workers: int = 1, verify_mem_mb: int = 2048, code_limits: Optional[dict] = None,
-                 code_workers: int = 4, judge: Optional[Callable] = None, judge_on: str = "rejected",
+    def __init__(self, max_chars: Optional[int] = None, math_verify: bool = True,
+                 verify_timeout_s: float = 5.0, verify_workers: int = 1, verify_mem_mb: int = 2048,
+                 code_limits: Optional[dict] = None, code_workers: int = 4,
+                 judge: Optional[Callable] = None, judge_on: str = "rejected",
                  judge_timeout_s: float = 30.0, judge_workers: int = 4):
-        numbers = (("max_chars", 1 if max_chars is None else max_chars, int), ("verify_workers", verify_workers, int),
-                   ("verify_mem_mb", verify_mem_mb, int), ("code_workers", code_workers, int),
-                   ("judge_workers", judge_workers, int), ("verify_timeout_s", verify_timeout_s, (int, float)),
-                   ("judge_timeout_s", judge_timeout_s, (int, float)))
-        for name, v, kinds in numbers:
+        checks = (("max_chars", 1 if max_chars is None else max_chars, int),
+                  ("verify_workers", verify_workers, int), ("verify_mem_mb", verify_mem_mb, int),
+                  ("code_workers", code_workers, int), ("judge_workers", judge_workers, int),
+                  ("verify_timeout_s", verify_timeout_s, (int, float)),
+                  ("judge_timeout_s", judge_timeout_s, (int, float)))
+        for name, v, kinds in checks:
             if isinstance(v, bool) or not isinstance(v, kinds) or not v > 0:
                 kind = "int" if kinds is int else "number"
                 raise ValueError(f"Cascade: {name} must be a positive {kind}, got {v!r}")
-        unknown = set(code_limits or {}) - set(inspect.signature(run_program).parameters) - {"code", "tests"}
+        known = set(inspect.signature(run_program).parameters) | {"code", "tests"}
+        unknown = set(code_limits or {}) - known
         if unknown:
-            raise ValueError(f"Cascade: unknown code_limits keys {sorted(unknown)}; see sandbox.run_program")
+            raise ValueError(f"Cascade: unknown code_limits keys {sorted(unknown)}; "
+                             f"see sandbox.run_program")
         if judge_on not in ("rejected", "passed"):
             raise ValueError(f"Cascade: judge_on must be 'rejected' or 'passed', got {judge_on!r}")
         if judge is not None and not callable(judge):
-            raise TypeError(f"Cascade: judge must be a callable (prompt, completion, reference) -> float, "
-                            f"got {judge!r}")
+            raise TypeError(f"Cascade: judge must be a callable (prompt, completion, reference) "
+                            f"-> float, got {judge!r}")
         if math_verify and importlib.util.find_spec("math_verify") is None:
-            raise ImportError("Cascade: math_verify=True needs the math-verify package (pip install math-verify)")
-        self.max_chars, self.math_verify, self.judge, self.judge_on = max_chars, bool(math_verify), judge, judge_on
+            raise ImportError("Cascade: math_verify=True needs the math-verify package "
+                              "(pip install math-verify)")
+        self.max_chars, self.math_verify = max_chars, bool(math_verify)
+        self.judge, self.judge_on = judge, judge_on
         self.judge_timeout_s, self.judge_workers = float(judge_timeout_s), judge_workers
+        self._judges = _JudgePool(judge, judge_workers, self.judge_timeout_s) if judge else None
         self.code_workers = code_workers
         self.code_limits = {"timeout_s": 5.0, "cpu_s": 5, "mem_mb": 512, **(code_limits or {})}
-        self._workers = [_MathWorker(verify_mem_mb, verify_timeout_s) for _ in range(verify_workers)]
+        self._workers = [_MathWorker(verify_mem_mb, verify_timeout_s)
+                         for _ in range(verify_workers)]
         self._idle: Queue = Queue()  # a verify thread takes a worker, uses it alone, gives it back
         for w in self._workers:
             self._idle.put(w)
@@ -341,6 +421,8 @@ class Cascade:
     def close(self) -> None:
         for w in self._workers:
             w.kill()
+        if self._judges is not None:
+            self._judges.close()
 
     def __enter__(self):
         return self
@@ -348,16 +430,25 @@ class Cascade:
     def __exit__(self, *exc):
         self.close()
 
-    def score_batch(self, problems: Sequence, completions: Sequence[str], group_size: int = 1) -> RewardResult:
-        """Rewards for aligned lists: completion i answers problems[i], and each group (one prompt's
-        completions) sits together, group_size in a row. Raises only on bad arguments."""
+    def score_batch(self, problems: Sequence, completions: Sequence[str], group_size: int = 1,
+                    finish: Optional[Sequence[str]] = None) -> RewardResult:
+        """Rewards for aligned lists: completion i answers problems[i], and each group (one
+        prompt's completions) sits together, group_size in a row. `finish`: the rollout's finish
+        reason per completion ("stop", "eos", "length"); a "length" row (cut at max_new_tokens)
+        scores 0 in stage 2. Raises only on bad arguments."""
         n = len(completions)
         if len(problems) != n:
             raise ValueError(f"score_batch: {len(problems)} problems but {n} completions")
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or n % group_size:
-            raise ValueError(f"score_batch: group_size must be an int >= 1 that divides {n}, got {group_size!r}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 \
+                or n % group_size:
+            raise ValueError(f"score_batch: group_size must be an int >= 1 that divides {n}, "
+                             f"got {group_size!r}")
+        if finish is not None and (isinstance(finish, str) or len(finish) != n):
+            raise ValueError(f"score_batch: finish must be one reason per completion ({n}), "
+                             f"got {finish!r:.80}")
         self._check_problems(problems)
         texts = [c if isinstance(c, str) else "" for c in completions]
+        cut = [False] * n if finish is None else [f == "length" for f in finish]
         res = RewardResult([0.0] * n, [""] * n, [0.0] * n)
         t = [time.perf_counter()]
 
@@ -365,11 +456,13 @@ class Cascade:
             t.append(time.perf_counter())
             res.time_s[stage] = t[-1] - t[-2]
 
-        first = {}  # stage 1: (group, problem, text) -> its first completion
-        rep = [first.setdefault((i // group_size, id(problems[i]), s), i) for i, s in enumerate(texts)]
-        res.reached["dedup"], res.dedup_saved = n, sum(j != i for i, j in enumerate(rep))
+        first = {}  # stage 1: (group, problem, text, cut) -> its first completion
+        rep = [first.setdefault((i // group_size, id(problems[i]), s, cut[i]), i)
+               for i, s in enumerate(texts)]
+        todo = [i for i in range(n) if rep[i] == i]
+        res.reached["dedup"], res.dedup_saved = n, n - len(todo)
         lap("dedup")
-        preds = self._cheap(problems, texts, [i for i in range(n) if rep[i] == i], res)
+        preds = self._cheap(problems, texts, cut, todo, res)
         lap("cheap")
         to_verify, to_judge = self._exact(problems, preds, res)
         lap("exact")
@@ -377,6 +470,7 @@ class Cascade:
         lap("verify")
         self._judge(problems, texts, to_judge, res)
         lap("judge")
+        self._finite(res, todo)
         for i, j in enumerate(rep):
             if j != i:
                 res.rewards[i], res.stages[i] = res.rewards[j], "dedup"
@@ -386,17 +480,25 @@ class Cascade:
     def _check_problems(self, problems: Sequence) -> None:
         for k, p in enumerate(problems):
             task = getattr(p, "task", None)
-            if task == "code" and not (isinstance(p.meta.get("test_list"), (list, tuple)) and p.meta["test_list"]):
-                raise ValueError(f"score_batch: code problem {k} has no meta['test_list'] for the sandbox to run")
+            tests = p.meta.get("test_list") if task == "code" else None
+            if task == "code" and not (isinstance(tests, (list, tuple)) and tests):
+                raise ValueError(f"score_batch: code problem {k} has no meta['test_list'] for "
+                                 f"the sandbox to run")
             if task != "code" and task not in EXTRACTORS and self.judge is None:
-                raise ValueError(f"score_batch: problem {k} has task {task!r}, which has no verifier "
-                                 f"(known: {sorted(EXTRACTORS) + ['code']}); give the Cascade a judge to score it")
+                raise ValueError(f"score_batch: problem {k} has task {task!r}, which has no "
+                                 f"verifier (known: {sorted(EXTRACTORS) + ['code']}); give the "
+                                 f"Cascade a judge to score it")
 
-    def _cheap(self, problems, texts, todo, res) -> dict:
-        """Stage 2: {i: extracted answer (code: the code)} for the completions that pass; the rest score 0."""
+    def _cheap(self, problems, texts, cut, todo, res) -> dict:
+        """Stage 2: {i: extracted answer (code: the code)} for the completions that pass; the
+        rest score 0, the truncated ones first of all."""
         preds = {}
         for i in todo:
             res.reached["cheap"] += 1
+            if cut[i]:  # cut at max_new_tokens: no credit, whatever it says
+                res.truncated += 1
+                res.stages[i] = "cheap"
+                continue
             try:
                 why, pred = self._cheap_one(problems[i], texts[i])
             except Exception as e:  # a bug in an extractor must not stop the loop
@@ -421,7 +523,7 @@ class Cascade:
             code = extract_code(text)
             try:
                 ast.parse(code)
-            except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: a NUL byte
+            except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: NUL
                 return "syntax", None
             return None, code
         if problem.task not in EXTRACTORS:
@@ -432,11 +534,11 @@ class Cascade:
         return ("empty_answer", None) if normalize_answer(pred) == "" else (None, pred)
 
     def _exact(self, problems, preds, res) -> tuple:
-        """Stage 3: cheap_verdict settles the clear cases. Returns (indices to verify, indices to judge)."""
+        """Stage 3: cheap_verdict settles the clear cases. -> (indices to verify, to judge)."""
         to_verify, to_judge = [], []
         for i, pred in preds.items():
             p = problems[i]
-            if p.task == "code" or p.task not in EXTRACTORS:  # no answer to match: verify or judge it
+            if p.task == "code" or p.task not in EXTRACTORS:  # no answer to match
                 (to_verify if p.task == "code" else to_judge).append(i)
                 continue
             res.reached["exact"] += 1
@@ -444,7 +546,8 @@ class Cascade:
             if verdict is None and self.math_verify and p.task in MATH_VERIFY_TASKS:
                 to_verify.append(i)
                 continue
-            gold = normalize_answer(p.answer)  # settled here; or not, with math_verify off: that scores 0
+            # settled here; or not, with math_verify off: that scores 0
+            gold = normalize_answer(p.answer)
             res.by_value += verdict is not None and gold != "" and normalize_answer(pred) != gold
             self._settle(res, i, "exact", float(bool(verdict)), to_judge)
         return to_verify, to_judge
@@ -456,7 +559,7 @@ class Cascade:
             to_judge.append(i)
 
     def _verify(self, problems, preds, idx, to_judge, res) -> None:
-        """Stage 4, on threads: math-verify for math and gsm8k, the tests in the sandbox for code."""
+        """Stage 4, on threads: math-verify for math and gsm8k, the sandbox's tests for code."""
         res.reached["verify"] += len(idx)
         threads = max(self.code_workers, len(self._workers))
         outs = _parallel(lambda i: self._verify_one(problems[i], preds[i]), idx, threads)
@@ -466,13 +569,15 @@ class Cascade:
             self._settle(res, i, "verify", reward, to_judge, cost)
 
     def _verify_one(self, problem, pred: str) -> tuple:
-        """(reward, "ok" | "timeout" | "error: ...", seconds, sandbox status or None); never raises."""
+        """(reward, "ok" | "timeout" | "error: ...", seconds, sandbox status | None); no raise."""
         t = time.perf_counter()
         try:
             if problem.task == "code":
                 m = problem.meta
-                r = run_tests(pred, list(m["test_list"]), m.get("test_setup_code") or "", **self.code_limits)
-                status = f"error: sandbox: {r.stderr.strip()[-200:]}" if r.status == "error" else "ok"
+                r = run_tests(pred, list(m["test_list"]), m.get("test_setup_code") or "",
+                              **self.code_limits)
+                status = f"error: sandbox: {r.stderr.strip()[-200:]}" if r.status == "error" \
+                    else "ok"
                 return float(r.passed), status, time.perf_counter() - t, r.status
             worker = self._idle.get()
             try:
@@ -484,19 +589,25 @@ class Cascade:
             return 0.0, f"error: {type(e).__name__}: {e}", time.perf_counter() - t, None
 
     def _judge(self, problems, texts, idx, res) -> None:
-        """Stage 5: the user's judge, on threads, each call with a deadline; a failed call scores 0."""
+        """Stage 5: the user's judge on its pool of threads, each call with a deadline; a failed
+        call, or a score that is not a number within +-JUDGE_MAX, scores 0."""
         res.reached["judge"] += len(idx)
-
-        def one(i):
-            t, p = time.perf_counter(), problems[i]
-            value, status = _call_with_timeout(self.judge, (p.prompt, texts[i], p.answer), self.judge_timeout_s)
-            if status == "ok" and not (isinstance(value, (int, float)) and math.isfinite(value)):
-                status = f"error: the judge returned {value!r}, not a finite number"
-            return (float(value) if status == "ok" else 0.0), status, time.perf_counter() - t
-
-        for i, (reward, status, cost) in zip(idx, _parallel(one, idx, self.judge_workers)):
+        if not idx:
+            return
+        outs = self._judges.map([(problems[i].prompt, texts[i], problems[i].answer) for i in idx])
+        for i, (value, status, cost) in zip(idx, outs):
+            reward, status = _judge_score(value) if status == "ok" else (0.0, status)
             self._count(res, status, "judge")
             res.rewards[i], res.stages[i], res.cost_s[i] = reward, "judge", cost
+
+    def _finite(self, res, idx) -> None:
+        """Every reward a finite float: anything else (a verifier's NaN) is 0 and an error."""
+        for i in idx:
+            v = _real(res.rewards[i])
+            if not math.isfinite(v):
+                self._count(res, f"error: the reward {res.rewards[i]!r:.60} is not a finite "
+                                 f"number", res.stages[i] or "reward")
+            res.rewards[i] = v if math.isfinite(v) else 0.0
 
     @staticmethod
     def _count(res, status: str, stage: str) -> None:
@@ -508,8 +619,7 @@ class Cascade:
 
 
 def load_judge(spec: str) -> Optional[Callable]:
-    """'module:function' -> the callable, imported by name (the user's own file; nothing is registered).
-    Empty: no judge."""
+    """'module:function' -> the callable, imported by name (the user's own file). Empty: none."""
     if not spec:
         return None
     mod, _, fn = spec.partition(":")
@@ -522,14 +632,17 @@ def load_judge(spec: str) -> Optional[Callable]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--math-worker"]:
         sys.exit(_math_worker(int(sys.argv[2]), int(sys.argv[3])))
-    half = Problem("What is 1/2 of 1?", r"\frac{1}{2}", "math")
-    add = Problem("Write add(a, b).", "def add(a, b): return a + b", "code", {"test_list": ["assert add(1, 2) == 3"]})
-    batch = [(half, r"so \boxed{\frac{1}{2}}"), (half, r"so \boxed{\frac{1}{2}}"), (half, r"so \boxed{0.5}"),
-             (half, "I give up"), (add, "```python\ndef add(a, b): return a + b\n```"),
-             (add, "```python\ndef add(a, b): return a - b\n```"), (add, "```python\ndef add(a, b)\n```"),
+    half, root = Problem("?", r"\frac{1}{2}", "math"), Problem("?", r"\frac{\sqrt{2}}{2}", "math")
+    add = Problem("Write add(a, b).", "", "code", {"test_list": ["assert add(1, 2) == 3"]})
+    code = "```python\ndef add(a, b){}\n```".format
+    batch = [(half, r"so \boxed{\frac{1}{2}}")] * 2 + [(half, r"\boxed{.5}"),
+             (half, r"so \boxed{\frac{1}{2}} and"), (root, r"\boxed{\frac{1}{\sqrt{2}}}"),
+             (root, r"\boxed{0.70710678}"), (root, r"\boxed{\sqrt{3}/2}"), (root, "I give up"),
+             (add, code(": return a + b")), (add, code(": return 0")), (add, code("")),
              (add, "def add(a, b): return a + b  (no code block)")]
-    with Cascade(max_chars=4000) as cascade:  # two groups of four completions
-        res = cascade.score_batch([p for p, _ in batch], [c for _, c in batch], group_size=4)
-    for (_, text), r, s in zip(batch, res.rewards, res.stages):
-        print(f"{r:.1f}  {s:<7} {text!r:.70}")
+    finish = ["eos"] * 3 + ["length"] + ["eos"] * 8  # the fourth was cut at max_new_tokens
+    with Cascade(max_chars=4000) as cascade:  # three groups of four completions
+        res = cascade.score_batch([p for p, _ in batch], [c for _, c in batch], 4, finish)
+    for (_, text), r, s, why in zip(batch, res.rewards, res.stages, finish):
+        print(f"{r:.1f}  {s:<7} {why:<7} {text!r:.60}")
     print({k: round(v, 3) for k, v in res.summary().items()})

@@ -1,16 +1,27 @@
 """Run model-written Python in a throwaway sandbox, for the rewards of code tasks (stage 3).
 
 A completion for a code task is untrusted: it may loop forever, fork until the machine stops, eat
-the memory, fill the disk, read our secrets, call the network, or kill the trainer. `run_program`
-runs it in a separate, locked-down process and always comes back, with a `SandboxResult`; nothing
-the program started is still running when it returns (with root or user namespaces; see 4).
-Statuses: ok, failed, timeout, cpu_limit, memory_limit, output_limit, killed, error.
+the memory, fill the disk, read our secrets, call the network, kill the trainer, or game its tests.
+`run_program` runs it in a separate, locked-down process and always comes back, with a
+`SandboxResult`; nothing the program started is still running when it returns (with root or user
+namespaces; see 4). Statuses: ok, failed, timeout, cpu_limit, memory_limit, output_limit, killed,
+error.
 
 How one call runs:
 
-    trainer (this module)              the parent: writes main.py, reads output, enforces the cap
-      `- launcher (python sandbox.py)  root if we are root: sets up the walls, supervises, cleans up
-           `- program (python main.py) the model's code + the tests, as an unprivileged uid
+    trainer (this module)                  the parent: splits the tests, writes main.py, reads the
+      |                                    output with a cap, judges the asserts
+      `- launcher (sandbox_launcher.py)    root if we are root: builds the walls, supervises,
+           |                               cleans up; stops when the trainer dies
+           `- program (python main.py)     the model's code, then the harness, which evaluates the
+                                           calls under test; as an unprivileged uid
+
+The tests are judged here, never by the program (sandbox_harness.py): each assert is split into
+the calls to the program's code, which the program evaluates and returns as plain JSON data, and
+the rest (the expected value, the comparison), which we evaluate on that data. The program never
+sees an expected value and gives no verdict: tracing itself past the asserts, printing a token
+read from its source, or returning an object that equals everything earns nothing. "passed" means:
+the program exited 0 after returning a value for every call, and every assert holds on them.
 
 The walls, each used where the OS allows it (`SandboxResult.isolation` says which were in effect):
   - rlimits set in the program before exec: CPU seconds, address space (memory), size of a written
@@ -23,33 +34,50 @@ The walls, each used where the OS allows it (`SandboxResult.isolation` says whic
     /proc/<pid>/environ, or write the files of root. Without a PID namespace, every process of
     that uid is killed after the run (kill(-1) from a helper running as that uid), which also
     catches what escaped the process group with setsid();
-  - pidns, netns, mntns: Linux namespaces (as root; otherwise inside a user namespace, "userns", if
-    the kernel allows them for unprivileged users). In a new PID namespace the program is PID 1:
-    when it exits or is killed, the kernel kills everything it started, and it cannot see our pids.
-    The network namespace has no interfaces up, so every connection fails, even to localhost. The
-    mount namespace gets a private size-capped tmpfs on /tmp (also bound on /dev/shm and /var/tmp),
-    which is the program's cwd and vanishes with it, and a /proc that shows only its own processes.
+  - pidns, netns, ipcns, mntns: Linux namespaces (as root; otherwise inside a user namespace,
+    "userns", if the kernel allows them for unprivileged users). In a new PID namespace the program
+    is PID 1: when it exits or is killed, the kernel kills everything it started, and it cannot see
+    our pids. The network namespace has no interfaces up, so every connection fails, even to
+    localhost. System V and POSIX IPC objects die with the IPC namespace. The mount namespace gets
+    a private size-capped tmpfs on /tmp (also bound on /dev/shm and /var/tmp), which is the
+    program's cwd and vanishes with it, and a /proc that shows only its own processes;
+  - rofs: in the mount namespace every other mount is remounted read-only (all of them, not a list
+    of folders), so no world-writable folder of the host (/run/lock...) takes a byte;
+  - seccomp (x86_64, aarch64; with or without namespaces): the program may not create namespaces
+    (unshare, setns, clone with CLONE_NEW*, clone3), mount anything, or call memfd_create, shmget,
+    msgget, mq_open, bpf, io_uring_setup, userfaultfd, perf_event_open. A user namespace could
+    mount a tmpfs outside disk_mb; memfd and IPC memory is not counted by RLIMIT_AS;
+  - a killed trainer (kill -9 included): the kernel sends the launcher SIGTERM (parent-death
+    signal), which stops the program and sweeps its uid; the program itself dies with the launcher.
+    Work folders are named after their owner process, and each call removes those of dead owners.
 
 Simplifications and limits (read before trusting a reward):
-  1. Not a security boundary against a determined attacker: no seccomp, no cgroups, the same
-     kernel. It is built against accidents and reward hacks of a policy model, not against exploits.
-  2. "passed" means: the program exited 0 *and* printed a random token placed after the last test.
-     So `sys.exit(0)` / `os._exit(0)` before the asserts fails. A program that reads its own source
-     or its code object can still find the token; so can one whose objects compare equal to all.
+  1. Not a security boundary against a determined attacker: no cgroups, the same kernel, seccomp as
+     a deny list. It is built against accidents and reward hacks of a policy model, not exploits.
+  2. The values of the calls under test must be plain data: None, bool, int, float, str, bytes,
+     complex, and lists, tuples, dicts, sets of them (subclasses are copied as their base class);
+     anything else fails the test. They count toward max_output. Tests that cannot be split safely
+     (an assert in a loop or a function, a comparison inside a call to the program, tests that do
+     not parse) are not run: status "error", reward 0. Names that we evaluate in an assert (len,
+     sorted, set, math.isclose...) are Python's, even where the program defines its own. Setup
+     code runs in the program (less what only builds expected values): it can read those names.
   3. Memory is capped per process (RLIMIT_AS), not per sandbox: with nproc processes the total can
-     reach nproc * mem_mb. cgroups would fix this; they are not used.
-  4. Without root and without user namespaces only rlimits, the process group and the wall clock
-     remain: the program could then signal our process, escape the kill with setsid(), read the
-     network, and RLIMIT_NPROC is not set (it would count all of our user's processes).
+     reach nproc * mem_mb, plus disk_mb of tmpfs and kernel buffers (pipes, sockets; nofile bounds
+     them). cgroups would give one cap; they are not used.
+  4. Without root and without user namespaces only rlimits, seccomp, the process group and the wall
+     clock remain: the program could then signal our process, escape the kill with setsid(), read
+     the network, and RLIMIT_NPROC is not set (it would count all of our user's processes).
   5. Without the mount namespace the program can still write to world-writable folders such as
-     /tmp (capped per file by fsize_mb) and can see other processes in /proc.
+     /tmp (capped per file by fsize_mb; what it writes stays) and can see other processes in /proc.
   6. Output is cut at max_output bytes per stream; a program over the cap is stopped
      ("output_limit"). Python runs with -I -S: the standard library only, no site-packages, no
      `exit()` builtin (use `sys.exit`).
   7. When our interpreter is not readable by the sandbox uid (e.g. it lives in root's home), the
      sandbox uses the first `python3` on the standard PATH that it can run (`python=` chooses).
-  8. Each call starts two interpreters: about 0.1-0.2 s of overhead. Run calls in threads for
-     throughput; each concurrent call holds its own sandbox uid (SANDBOX_SLOTS of them).
+  8. Each call starts two interpreters: about 0.1-0.2 s of overhead. Tests whose expected values
+     need their own setup code (`assert f(x) == EXPECTED`) take a second run, without the program.
+     Run calls in threads for throughput; each concurrent call holds its own sandbox uid
+     (SANDBOX_SLOTS of them).
 
 Example:
 
@@ -67,11 +95,10 @@ import fcntl
 import json
 import os
 import re
-import resource
 import secrets
-import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -81,31 +108,28 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import sandbox_launcher
+from sandbox_harness import Uncheckable, child_program, judge, plan_tests, take_values
+from sandbox_launcher import SAFE_PATH
+
 # Dedicated uids for sandboxed programs when we run as root: one per concurrent call, so that
 # RLIMIT_NPROC and the final kill(-1) sweep only ever touch that call's processes. They must not
 # belong to anyone else on the machine (change the base if they do).
 SANDBOX_UID_BASE = 1_900_000_000
 SANDBOX_SLOTS = 64
 SANDBOX_UIDS = range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_SLOTS)
-SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _GRACE_S = 10.0  # the parent's backstop past timeout_s, in case the launcher itself hangs
-
-# Linux constants (sched.h, mount.h, prctl.h); Python 3.11 has no os.unshare, so we use ctypes.
-CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass
 class SandboxResult:
-    passed: bool        # exited 0 after running every line, tests included
+    passed: bool        # exited 0 with a value for every call under test; every assert held
     status: str         # ok failed timeout cpu_limit memory_limit output_limit killed error
     returncode: Optional[int]  # exit code; -N when killed by signal N; None when it never ran
     stdout: str         # at most max_output bytes, decoded
     stderr: str
     elapsed_s: float    # wall time of the program itself
-    isolation: str = ""  # the walls in effect, e.g. "uid,netns,pidns,mntns"
+    isolation: str = ""  # the walls in effect, e.g. "uid,netns,pidns,ipcns,mntns,rofs,seccomp"
 
 
 def extract_code(completion: str) -> str:
@@ -134,12 +158,13 @@ def run_program(code: str, tests: str = "", *, timeout_s: float = 5.0, cpu_s: fl
                 mem_mb: int = 512, fsize_mb: int = 16, disk_mb: int = 64, nproc: int = 32,
                 nofile: int = 64, max_output: int = 64_000, namespaces: bool = True,
                 python: Optional[str] = None) -> SandboxResult:
-    """Run `code`, then `tests` (more Python, e.g. asserts), in a sandbox; see the module docstring.
+    """Run `code`, then `tests` (setup statements and asserts), in a sandbox; see the module
+    docstring. The asserts are judged here on the values the program returns (sandbox_harness).
 
     timeout_s: wall clock; cpu_s: CPU seconds per process; mem_mb: address space per process;
     fsize_mb: largest file it may write; disk_mb: size of its tmpfs /tmp (mount namespace only);
     nproc: processes and threads; nofile: open files; max_output: bytes kept per stream;
-    namespaces=False skips the Linux namespaces (uid and rlimits still apply).
+    namespaces=False skips the Linux namespaces (uid, rlimits and seccomp still apply).
     """
     limits = dict(timeout_s=timeout_s, cpu_s=cpu_s, mem_mb=mem_mb, fsize_mb=fsize_mb,
                   disk_mb=disk_mb, nproc=nproc, nofile=nofile, max_output=max_output)
@@ -148,26 +173,23 @@ def run_program(code: str, tests: str = "", *, timeout_s: float = 5.0, cpu_s: fl
             raise ValueError(f"run_program: {name} must be a positive number, got {value!r}")
     if not isinstance(code, str) or not isinstance(tests, str):
         raise TypeError("run_program: code and tests must be str")
-    token = secrets.token_hex(16)
-    # The token is written by the last line, straight to fd 1: a program that exits early, or
-    # swaps sys.stdout, never prints it. Flush first so that its own output comes before the token.
-    source = (f"{code}\n\n{tests}\n\n"
-              "try:\n    __import__('sys').stdout.flush()\nexcept BaseException:\n    pass\n"
-              f"__import__('os').write(1, b'\\n{token}\\n')\n")
-    with _uid_slot() as uid:
-        workdir = tempfile.mkdtemp(prefix="zeros-sandbox-run-")
-        try:
-            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-                f.write(source)
-            if uid is not None:
-                os.chown(workdir, uid, uid)  # the program writes here when there is no tmpfs
-            interpreter = python or _sandbox_python(uid)
-            cfg = dict(limits, workdir=workdir, uid=uid, python=interpreter,
-                       namespaces=bool(namespaces))
-            raw = _launch(cfg, int(max_output))
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return _classify(raw, token, float(cpu_s))
+    try:
+        plan = plan_tests(tests)
+    except Uncheckable as e:
+        return _refusal(f"cannot check these tests outside the program: {e}")
+    opts = dict(limits, namespaces=bool(namespaces), python=python)
+    expected: list = []
+    if plan.evals("clean"):  # expected values built by the tests' own code: never the program's
+        clean, expected = _run_steps("", plan.clean, opts)
+        if expected is None:
+            return _refusal("the tests fail without the program, so their expected values are "
+                            f"unknown: {clean.status}: {clean.stderr.strip()[-300:]}")
+    result, got = _run_steps(code, plan.child, opts)
+    if got is not None:
+        result.passed, why = judge(plan, got, expected)
+        if not result.passed:
+            result.status, result.stderr = "failed", f"{result.stderr}{why}\n"
+    return result
 
 
 def run_tests(code: str, test_list: list, setup_code: str = "", **limits) -> SandboxResult:
@@ -182,12 +204,62 @@ def run_tests(code: str, test_list: list, setup_code: str = "", **limits) -> San
     return run_program(code, tests, **limits)
 
 
+def _refusal(why: str) -> SandboxResult:
+    return SandboxResult(passed=False, status="error", returncode=None, stdout="",
+                         stderr=f"sandbox error: {why}", elapsed_s=0.0)
+
+
 def code_reward(code: str, test_list: list, **limits) -> float:
     """1.0 if `code` passes every test in the sandbox, else 0.0. Never raises: any error is 0.0."""
     try:
         return 1.0 if run_tests(code, test_list, **limits).passed else 0.0
     except Exception:  # a reward must not take down the training loop
         return 0.0
+
+
+def _run_steps(code: str, steps: list, opts: dict) -> tuple:
+    """One sandboxed run of `code` then the harness `steps`: (SandboxResult, the values it
+    returned, or None unless it ran to the end and exited 0)."""
+    marker = secrets.token_hex(16)
+    with _uid_slot() as uid:
+        workdir = _new_workdir()
+        try:
+            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+                f.write(child_program(code, steps, marker))
+            if uid is not None:
+                os.chown(workdir, uid, uid)  # the program writes here when there is no tmpfs
+            cfg = dict(opts, workdir=workdir, uid=uid, parent=os.getpid(),
+                       python=opts["python"] or _sandbox_python(uid))
+            raw = _launch(cfg, int(opts["max_output"]))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return _classify(raw, marker, float(opts["cpu_s"]))
+
+
+def _new_workdir() -> str:
+    """A fresh work folder, named after this process (pid and start time), so that a later call
+    can tell that its owner died without cleaning up (kill -9) and remove it."""
+    runs = os.path.join(tempfile.gettempdir(), f"zeros-sandbox-runs-{os.geteuid()}")
+    os.makedirs(runs, mode=0o711, exist_ok=True)
+    st = os.lstat(runs)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():  # e.g. a link planted in /tmp
+        raise RuntimeError(f"sandbox: {runs} is not a folder of ours")
+    os.chmod(runs, 0o711)  # the sandbox uid may pass through to its folder, not list the others
+    for name in os.listdir(runs):
+        pid, start = (name.split("-") + ["", ""])[:2]
+        if pid.isdigit() and _start_time(int(pid)) != start:
+            shutil.rmtree(os.path.join(runs, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{os.getpid()}-{_start_time(os.getpid())}-", dir=runs)
+
+
+def _start_time(pid: int) -> str:
+    """When process `pid` started (clock ticks after boot), "" if there is none. With the pid it
+    names one process, even once the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 @contextmanager
@@ -256,7 +328,7 @@ def _launch(cfg: dict, max_output: int) -> dict:
     """
     status_r, status_w = os.pipe()
     cfg["status_fd"] = status_w
-    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--launch", json.dumps(cfg)]
+    argv = [sys.executable, "-I", "-S", os.path.abspath(sandbox_launcher.__file__), json.dumps(cfg)]
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -334,14 +406,13 @@ def _drain(pipe, buf: bytearray, cap: int, overflow: threading.Event) -> None:
         pipe.close()
 
 
-def _classify(raw: dict, token: str, cpu_s: float) -> SandboxResult:
-    """Turn the launcher's report into a SandboxResult (status, passed, cleaned output)."""
+def _classify(raw: dict, marker: str, cpu_s: float) -> tuple:
+    """The launcher's report as (SandboxResult, the values the harness wrote, or None unless the
+    program ran to its end and exited 0). "ok" here only means that; judge() gives the verdict."""
     out = raw["stdout"].decode("utf-8", errors="replace")
     err = raw["stderr"].decode("utf-8", errors="replace")
     how, code = raw.get("how"), raw.get("code")
-    marker = f"\n{token}\n"
-    finished = marker in out
-    out = out.replace(marker, "")
+    values, out = take_values(out, marker)
     rc = None if code is None else (-code if how == "signal" else code)
     if raw["overflow"] or how == "stopped":
         status = "output_limit"
@@ -355,241 +426,22 @@ def _classify(raw: dict, token: str, cpu_s: float) -> SandboxResult:
         status = "cpu_limit" if hit_cpu else "killed"
     elif how == "exit":
         last = err.strip().splitlines()[-1:] or [""]
-        if code == 0 and finished:
+        if code == 0 and values is not None:
             status = "ok"
         elif last[0].startswith("MemoryError"):
             status = "memory_limit"
         else:
             status = "failed"
+            err += "sandbox: the program exited 0 before its tests ran\n" if code == 0 else ""
     else:  # the launcher failed before or while starting the program
         status = "error"
         why = raw.get("error") or f"launcher exited with {raw.get('launcher_rc')} and no report"
         err = f"{err}\nsandbox error: {why}".lstrip("\n")
     elapsed = raw.get("elapsed", raw["parent_elapsed"])
-    return SandboxResult(passed=status == "ok", status=status, returncode=rc, stdout=out,
-                         stderr=err, elapsed_s=round(float(elapsed), 4),
-                         isolation=",".join(raw.get("layers", [])))
-
-
-# ----------------------------------------------------------------------------------------------
-# launcher side: `python -I -S sandbox.py --launch CFG`, a fresh single-threaded process.
-# (Doing this in a preexec_fn of our own process would be unsafe: it may have threads.)
-
-
-def _libc():
-    import ctypes
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _mount(libc, source: Optional[str], target: str, fstype: Optional[str], flags: int,
-           data: Optional[str] = None) -> None:
-    import ctypes
-    enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    if libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mount {fstype or source} on {target}: {os.strerror(errno)}")
-
-
-def _enter_namespaces(libc, cfg: dict) -> list:
-    """Unshare what this kernel lets us; returns the layers in effect.
-
-    As root each namespace is tried alone, so one refused kind does not cost the others. Without
-    root they only come together with a user namespace, mapped to our own uid and gid only.
-    """
-    layers = ["uid"] if cfg["uid"] is not None else []
-    if not cfg["namespaces"]:
-        return layers
-    kinds = [("netns", CLONE_NEWNET), ("pidns", CLONE_NEWPID), ("mntns", CLONE_NEWNS)]
-    if os.geteuid() == 0:
-        layers += [name for name, flag in kinds if libc.unshare(flag) == 0]
-        return layers
-    uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS) != 0:
-        return layers
-    for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
-                       ("/proc/self/gid_map", f"{gid} {gid} 1")):
-        with open(path, "w") as f:
-            f.write(text)
-    return layers + ["userns"] + [name for name, _ in kinds]
-
-
-def _private_tmp(libc, cfg: dict) -> str:
-    """In our new mount namespace: a size-capped tmpfs on /tmp holding main.py; returns it.
-
-    Trap: mounts must first be made private, or the tmpfs would propagate back to the host's /tmp.
-    This runs only after unshare(CLONE_NEWNS) succeeded.
-    """
-    with open(os.path.join(cfg["workdir"], "main.py"), "rb") as f:
-        source = f.read()  # read before the tmpfs hides the host's /tmp
-    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    opts = f"size={int(cfg['disk_mb'])}m,nr_inodes=4096,mode=700"
-    if cfg["uid"] is not None:
-        opts += f",uid={cfg['uid']},gid={cfg['uid']}"
-    _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
-    for other in ("/dev/shm", "/var/tmp"):
-        if os.path.isdir(other):
-            try:
-                _mount(libc, "/tmp", other, None, MS_BIND)
-            except OSError:
-                pass  # still capped per file by RLIMIT_FSIZE
-    path = "/tmp/main.py"
-    with open(path, "wb") as f:
-        f.write(source)
-    if cfg["uid"] is not None:
-        os.chown(path, cfg["uid"], cfg["uid"])
-    return "/tmp"
-
-
-def _set_limits(cfg: dict, layers: list) -> None:
-    mb = 1 << 20
-    cpu = max(1, int(-(-float(cfg["cpu_s"]) // 1)))  # whole seconds, rounded up
-    # soft == hard: SIGKILL when the CPU time runs out. (A SIGXCPU at a lower soft limit would be
-    # ignored anyway by a program that is PID 1 of its namespace, or caught by a clever one.)
-    caps = [(resource.RLIMIT_CPU, cpu, cpu),
-            (resource.RLIMIT_AS, int(cfg["mem_mb"]) * mb, int(cfg["mem_mb"]) * mb),
-            (resource.RLIMIT_FSIZE, int(cfg["fsize_mb"]) * mb, int(cfg["fsize_mb"]) * mb),
-            (resource.RLIMIT_NOFILE, int(cfg["nofile"]), int(cfg["nofile"])),
-            (resource.RLIMIT_CORE, 0, 0)]
-    if "uid" in layers or "userns" in layers:
-        # RLIMIT_NPROC counts every process of the real uid (in its user namespace); it is only
-        # meaningful when that uid is the sandbox's alone. Root ignores it, hence the uid switch.
-        caps.append((resource.RLIMIT_NPROC, int(cfg["nproc"]), int(cfg["nproc"])))
-    for which, soft, hard in caps:
-        resource.setrlimit(which, (soft, hard))
-
-
-def _exec_program(libc, cfg: dict, layers: list, workdir: str, errpipe: int) -> None:
-    """In the forked child: last walls, drop root, exec the program. Never returns."""
-    if "pidns" in layers and "mntns" in layers:
-        try:  # a /proc that shows only the sandbox's own processes
-            _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        except OSError:
-            pass
-    os.chdir(workdir)
-    _set_limits(cfg, layers)  # before setuid: an unprivileged process cannot raise hard limits
-    if "uid" in layers:
-        uid = cfg["uid"]
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)  # real, effective and saved: no way back to root
-    # Die with the launcher. Set after setuid, because changing the uid clears it.
-    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    os.closerange(3, errpipe)
-    os.closerange(errpipe + 1, 1 << 20)
-    env = {"PATH": SAFE_PATH, "HOME": workdir, "LANG": "C.UTF-8"}
-    python = cfg["python"]
-    os.execve(python, [python, "-I", "-S", os.path.join(workdir, "main.py")], env)
-
-
-def _uid_alive(uid: int) -> bool:
-    """Is any live (non-zombie) process running with `uid` as its real, effective or saved uid?"""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except (OSError, ValueError):
-            continue  # it exited while we looked
-        zombie = fields.get("State", "").split()[:1] == ["Z"]
-        if str(uid) in fields.get("Uid", "").split()[:3] and not zombie:
-            return True
-    return False
-
-
-def _sweep(uid: int) -> None:
-    """SIGKILL every process of `uid`, from a helper running as that uid: kill(-1) reaches all of
-    them at once, setsid() escapes and processes forked meanwhile included.
-
-    Trap: kill(-1) returns success as long as any other process exists on the machine, so it
-    cannot tell us when we are done; /proc can. Zombies are left to their reaper.
-    """
-    deadline = time.monotonic() + 2.0
-    while _uid_alive(uid) and time.monotonic() < deadline:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-                os.kill(-1, signal.SIGKILL)  # everything we may signal, but ourselves
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
-        time.sleep(0.002)
-
-
-def _supervise(libc, cfg: dict, layers: list, workdir: str, stop: list) -> dict:
-    """Fork the program, wait for it up to timeout_s (or a stop request), kill it, reap it."""
-    err_r, err_w = os.pipe()  # close-on-exec: EOF at a successful exec, else the error text
-    t0 = time.monotonic()
-    pid = os.fork()  # with a new PID namespace, this child is its PID 1
-    if pid == 0:
-        try:
-            os.close(err_r)
-            _exec_program(libc, cfg, layers, workdir, err_w)
-        except BaseException as e:
-            os.write(err_w, f"{type(e).__name__}: {e}".encode()[:4000])
-        os._exit(127)
-    os.close(err_w)
-    with os.fdopen(err_r, "rb") as f:
-        setup_error = f.read().decode(errors="replace")
-    try:
-        waiter = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        waiter = None
-    how, deadline = None, t0 + float(cfg["timeout_s"])
-    while True:
-        done, status, usage = os.wait4(pid, os.WNOHANG)
-        if done:
-            break
-        if stop[0] or time.monotonic() > deadline:
-            how = "stopped" if stop[0] else "timeout"
-            os.kill(pid, signal.SIGKILL)  # as PID 1, this takes its whole namespace with it
-            _, status, usage = os.wait4(pid, 0)
-            break
-        if waiter is not None:
-            select.select([waiter], [], [], min(0.05, max(0.0, deadline - time.monotonic())))
-        else:
-            time.sleep(0.005)
-    elapsed = time.monotonic() - t0
-    if waiter is not None:
-        os.close(waiter)
-    if setup_error:
-        return dict(how="setup_error", error=setup_error, elapsed=elapsed)
-    if how is None:
-        how = "signal" if os.WIFSIGNALED(status) else "exit"
-    code = os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-    return dict(how=how, code=code, elapsed=elapsed,
-                cpu_used=usage.ru_utime + usage.ru_stime)
-
-
-def _launcher_main(cfg: dict) -> None:
-    """The launcher: set up, supervise, clean up, and write one JSON report to the status fd."""
-    status_fd = int(cfg["status_fd"])
-    os.set_inheritable(status_fd, False)  # the program must not get it
-    stop = [False]
-    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
-    report: dict = {}
-    try:
-        libc = _libc()
-        layers = _enter_namespaces(libc, cfg)
-        workdir = cfg["workdir"]
-        if "mntns" in layers:
-            try:
-                workdir = _private_tmp(libc, cfg)
-            except OSError:
-                layers.remove("mntns")
-        report["layers"] = layers
-        sweep = "uid" in layers and "pidns" not in layers  # a PID namespace needs no sweep
-        if sweep:
-            _sweep(cfg["uid"])  # leftovers of a caller that crashed while holding this uid
-        report.update(_supervise(libc, cfg, layers, workdir, stop))
-        if sweep:
-            _sweep(cfg["uid"])
-    except BaseException as e:
-        report.update(how="setup_error", error=f"{type(e).__name__}: {e}")
-    os.write(status_fd, json.dumps(report).encode())
+    result = SandboxResult(passed=status == "ok", status=status, returncode=rc, stdout=out,
+                           stderr=err, elapsed_s=round(float(elapsed), 4),
+                           isolation=",".join(raw.get("layers", [])))
+    return result, (values if status == "ok" else None)
 
 
 def _demo() -> None:
@@ -597,6 +449,9 @@ def _demo() -> None:
     cases = [("correct", add, ["assert add(1, 2) == 3"]),
              ("wrong", "def add(a, b):\n    return a - b\n", ["assert add(1, 2) == 3"]),
              ("early exit", "import os\nos._exit(0)\n" + add, ["assert add(1, 2) == 3"]),
+             ("always equal", "class A:\n    __eq__ = lambda s, o: True\n"
+              "def add(a, b):\n    return A()\n", ["assert add(1, 2) == 3"]),
+             ("memfd", "import os\nos.memfd_create('x')\n", ["assert True"]),
              ("infinite loop", "while True:\n    pass\n", ["assert True"]),
              ("network", "import socket\nsocket.create_connection(('1.1.1.1', 53), 2)\n",
               ["assert True"])]
@@ -608,7 +463,4 @@ def _demo() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--launch"]:
-        _launcher_main(json.loads(sys.argv[2]))
-    else:
-        _demo()
+    _demo()

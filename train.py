@@ -53,7 +53,7 @@ from config import cli, parse_config
 from distill import DistillSparse
 from model import add_lora
 from prompts import group_has_signal, make_sampler, refill_size
-from reward import Cascade, combine, load_judge
+from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
 from sparsity import alpha_k, bin_stats, dense_alpha
 from tasks import encode_pool, load_problems
@@ -262,9 +262,14 @@ def collect(cfg, step, run):
             a = dense_alpha(run.replica or run.model, prompt_ids, ro, cfg.temperature, cfg.micro_batch)
             alphas.append((a[ro.mask], ro.budget_dense[ro.mask].long()))
             rec["alpha_s"] = rec.get("alpha_s", 0.0) + time.perf_counter() - t0
-        res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts, group_size=G)  # stage 3
+        res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts, group_size=G,
+                                      finish=ro.finish)  # stage 3: a row cut at max_new_tokens scores 0
         results.append(res)
-        r = torch.tensor(res.rewards, dtype=torch.float32).view(-1, G)
+        r = torch.tensor(res.rewards, dtype=torch.float32)
+        if cfg.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifier's reward
+            r += torch.tensor(overlong_penalty(ro.mask.sum(1).tolist(), cfg.max_new_tokens, cfg.overlong_buffer,
+                                               cfg.overlong_penalty))
+        r = r.view(-1, G)
         rewards_all.append(r.flatten())
         lens.append(ro.mask.sum(1).float())
         finish_length += sum(f == "length" for f in ro.finish)
@@ -389,7 +394,8 @@ def evaluate(cfg, run):
     for a in range(0, len(mine), 256):
         chunk = mine[a:a + 256]
         ro = run.greedy.generate([run.eval_ids[i] for i in chunk], 1, seed=0)
-        correct += sum(run.cascade.score_batch([run.eval_p[i] for i in chunk], ro.texts, group_size=1).rewards)
+        res = run.cascade.score_batch([run.eval_p[i] for i in chunk], ro.texts, finish=ro.finish)
+        correct += sum(res.rewards)
     if n > 1:
         t = torch.tensor([correct], dtype=torch.float64, device=run.greedy.model.lm_head.weight.device)
         torch.distributed.all_reduce(t, group=run.role.group)

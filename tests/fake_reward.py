@@ -8,8 +8,8 @@ def use_parity_reward(setattr_):
     import reward
     orig = reward.Cascade.score_batch
 
-    def score_batch(self, problems, texts, group_size=1):
-        res = orig(self, problems, texts, group_size)
+    def score_batch(self, problems, texts, group_size=1, **kw):
+        res = orig(self, problems, texts, group_size, **kw)
         res.rewards = [float(len(t) % 2) for t in texts]
         return res
 

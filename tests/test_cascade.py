@@ -43,10 +43,11 @@ def score(c, pairs, group_size=1):
 
 def test_stage_counts_on_a_hand_made_batch(cascade):
     half, gsm = Problem("q", r"\frac{1}{2}", "math"), Problem("q", "72", "gsm8k")
+    root = Problem("q", r"\frac{\sqrt{2}}{2}", "math")
     batch = [(half, r"so \boxed{\frac{1}{2}}"),  # exact
              (half, r"so \boxed{\frac{1}{2}}"),  # dedup of the first
-             (half, r"\boxed{0.5}"),             # verify: pass
-             (half, r"\boxed{1/3}"),             # verify: fail
+             (root, r"\boxed{\frac{1}{\sqrt{2}}}"),  # verify: pass
+             (root, r"\boxed{\sqrt{3}/2}"),      # verify: fail
              (half, "no box at all"),            # cheap: no answer
              (half, "   "),                      # cheap: empty
              (gsm, "so 72\n#### 72.0"),          # exact after normalization
@@ -63,31 +64,34 @@ def test_stage_counts_on_a_hand_made_batch(cascade):
     assert res.cost_s[2] > 0 and res.cost_s[0] == 0.0
     s = res.summary()
     assert s["reach_exact"] == 0.5 and s["reach_verify"] == 0.2 and s["reach_judge"] == 0.0
-    assert s["dedup_saved"] == 0.1 and s["cheap_fail"] == 0.4 and s["by_value"] == 0.1
+    assert s["dedup_saved"] == 0.1 and s["cheap_fail"] == 0.4 and s["by_value"] == 0.1 and s["truncated"] == 0
     assert s["t_reward"] >= s["t_verify"] > 0
     assert set(res.time_s) == set(STAGES)
 
 
-def test_integers_settle_by_value_and_math_verify_takes_the_rest(cascade):
+def test_numbers_settle_by_value_and_math_verify_takes_the_rest(cascade):
     nine, gsm = Problem("q", "9", "synthetic"), Problem("q", "1200", "gsm8k")
+    big = Problem("q", "1200", "math")
     batch = [(nine, "a=4>4 b=5>9 #9"),    # exact: the same string
-             (nine, "a=4>4 b=5>9 #09"),   # exact by value: pass
              (nine, "a=4>4 b=5>9 #7"),    # exact by value: fail
-             (nine, "a=4>4 b=5>9 #9>"),   # not an integer: math-verify reads 9, a pass
-             (nine, "a=4>4 b=5>9 #x"),    # not an integer: math-verify, a fail
+             (nine, "a=4>4 b=5>9 #9>"),   # cheap: one digit at the very end, or no answer
              (gsm, "#### 1,200"),         # exact after normalization
              (gsm, "#### 1300"),          # exact by value: fail
-             (gsm, "#### 1200.5")]        # a decimal: math-verify, a fail
+             (gsm, "#### 1200.5"),        # exact by value: fail
+             (gsm, "#### 2400/2"),        # exact by value: pass
+             (big, r"\boxed{1.2\times10^{3}}"),  # an expression: math-verify, a pass
+             (big, r"\boxed{x}")]         # math-verify, a fail
     res = score(cascade, batch)
-    assert res.rewards == [1, 1, 0, 1, 0, 1, 0, 0]
-    assert res.stages == ["exact"] * 3 + ["verify"] * 2 + ["exact"] * 2 + ["verify"]
-    assert res.reached["exact"] == 8 and res.reached["verify"] == 3 and res.by_value == 3
-    assert res.summary()["by_value"] == 3 / 8 and res.summary()["reach_verify"] == 3 / 8
+    assert res.rewards == [1, 0, 0, 1, 0, 0, 1, 1, 0]
+    assert res.stages == ["exact", "exact", "cheap"] + ["exact"] * 4 + ["verify"] * 2
+    assert res.reached["exact"] == 8 and res.reached["verify"] == 2 and res.by_value == 4
+    assert res.summary()["by_value"] == 4 / 9 and res.summary()["reach_verify"] == 2 / 9
     res = score(cascade, [(Problem("q", "", "synthetic"), "#5")])  # no reference: a zero, not settled by value
     assert res.rewards == [0.0] and res.stages == ["exact"] and res.by_value == 0
     with Cascade(math_verify=False) as c:  # stage 3 alone: what it cannot settle scores 0
         res = score(c, batch)
-    assert res.rewards == [1, 1, 0, 0, 0, 1, 0, 0] and set(res.stages) == {"exact"} and res.reached["verify"] == 0
+    assert res.rewards == [1, 0, 0, 1, 0, 0, 1, 0, 0] and res.reached["verify"] == 0
+    assert set(res.stages) == {"exact", "cheap"}
 
 
 def test_dedup_is_within_a_group_only(cascade):
@@ -96,9 +100,20 @@ def test_dedup_is_within_a_group_only(cascade):
     assert res.stages == ["exact", "dedup", "exact", "dedup"] and res.dedup_saved == 2
 
 
+def test_plain_numbers_settle_by_value_in_stage_3(cascade):
+    forms = ["1/2", "0.5", r"\frac{1}{2}", ".5", r"\dfrac{2}{4}"]
+    wrong = ["1/3", "0.51", "2", "-1/2", r"\frac{2}{1}", "0.499999"]
+    pairs = [(Problem("q", g, "math"), rf"\boxed{{{p}}}") for g in forms for p in forms + wrong]
+    res = score(cascade, pairs)
+    for (prob, text), r in zip(pairs, res.rewards):
+        assert r == float(text[7:-1] in forms), (prob.answer, text)
+    assert set(res.stages) == {"exact"} and res.reached["verify"] == 0
+    assert res.errors == 0 and res.timeouts == 0
+
+
 def test_math_verify_equivalent_forms(cascade):
-    forms = ["1/2", "0.5", r"\frac{1}{2}"]
-    wrong = ["1/3", "0.51", "2", "-1/2", r"\frac{2}{1}"]
+    forms = [r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}", r"\sqrt{2}/2", r"\sqrt{\frac{1}{2}}"]
+    wrong = [r"\sqrt{2}", r"\frac{\sqrt{3}}{2}", r"\frac{1}{2}", r"-\frac{\sqrt{2}}{2}"]
     pairs = [(Problem("q", g, "math"), rf"\boxed{{{p}}}") for g in forms for p in forms + wrong]
     res = score(cascade, pairs)
     for (prob, text), r, stage in zip(pairs, res.rewards, res.stages):
@@ -109,16 +124,18 @@ def test_math_verify_equivalent_forms(cascade):
 
 
 def test_math_verify_off_means_exact_match_decides():
+    root = Problem("q", r"\frac{\sqrt{2}}{2}", "math")
     with Cascade(math_verify=False) as c:
-        res = score(c, [(Problem("q", "1/2", "math"), r"\boxed{0.5}"), (Problem("q", "1/2", "math"), r"\boxed{1/2}")])
-    assert res.rewards == [0.0, 1.0] and res.stages == ["exact", "exact"] and res.reached["verify"] == 0
+        res = score(c, [(root, r"\boxed{\frac{1}{\sqrt{2}}}"), (root, r"\boxed{\frac{\sqrt{2}}{2}}"),
+                        (Problem("q", "1/2", "math"), r"\boxed{0.5}")])
+    assert res.rewards == [0.0, 1.0, 1.0] and res.stages == ["exact"] * 3 and res.reached["verify"] == 0
 
 
 def test_math_verify_that_hangs_times_out_and_the_worker_comes_back():
     with Cascade(verify_timeout_s=1.0) as c:
         p = Problem("q", "1", "math")
         t0 = time.monotonic()
-        res = score(c, [(p, r"\boxed{10^{10^{10^{10}}}}"), (p, r"\boxed{2/2}")])
+        res = score(c, [(p, r"\boxed{10^{10^{10^{10}}}}"), (p, r"\boxed{\sqrt{1}}")])
         assert time.monotonic() - t0 < 30
     assert res.rewards == [0.0, 1.0] and res.stages == ["verify", "verify"]
     assert res.timeouts == 1 and res.errors == 0 and res.notes == ["verify: timeout"]
@@ -240,3 +257,113 @@ def test_combine_adds_up():
     assert c.reached["exact"] == 1 and c.errors == 1 and c.timeouts == 2 and c.dedup_saved == 1
     assert c.cheap_fail == {"empty": 1} and c.notes == ["x"]
     assert c.summary()["dedup_saved"] == pytest.approx(1 / 3)
+
+
+# ---------------------------------------------------------------- regressions
+
+def test_truncated_completions_score_zero_at_the_cheap_stage(cascade):
+    gsm, five = Problem("q", "14", "gsm8k"), Problem("q", "5", "gsm8k")
+    texts = ["so 7 x 2 = 14\n#### 14", "so 7 x 2 = 14\n#### 14", "so 7 x 2 = 14\n#### 14", "First 3 + 4 = 7, and"]
+    finish = ["length", "eos", "stop", "length"]
+    res = cascade.score_batch([gsm] * 4, texts, group_size=4, finish=finish)
+    assert res.rewards == [0.0, 1.0, 1.0, 0.0]  # the same text, cut or not: dedup keeps them apart
+    assert res.stages == ["cheap", "exact", "dedup", "cheap"]
+    assert res.truncated == 2 and res.cheap_fail == {} and res.reached["cheap"] == 3 and res.dedup_saved == 1
+    assert res.summary()["truncated"] == 2  # a count, like errors and timeouts
+    assert combine([res, res]).truncated == 4
+    res = cascade.score_batch([gsm, five], ["First 3 + 4 = 7, then 7 x 2 = 14, and", "I am not sure. 1 2 3 4 5"],
+                              finish=["length", "length"])
+    assert res.rewards == [0.0, 0.0] and res.truncated == 2
+    with pytest.raises(ValueError, match="finish"):
+        cascade.score_batch([gsm] * 2, texts[:2], finish=["eos"])
+    with pytest.raises(ValueError, match="finish"):
+        cascade.score_batch([gsm] * 2, texts[:2], finish="length")
+
+
+def test_truncated_judge_only_rows_never_reach_the_judge():
+    calls = []
+    with Cascade(math_verify=False, judge=lambda *a: calls.append(a) or 1.0) as c:
+        res = c.score_batch([Problem("q", "", "chat")] * 2, ["hello", "hello there"], finish=["eos", "length"])
+    assert res.rewards == [1.0, 0.0] and res.stages == ["judge", "cheap"] and len(calls) == 1
+
+
+def test_gsm8k_without_its_marker_scores_zero_in_the_cascade(cascade):
+    res = score(cascade, [(Problem("q", "14", "gsm8k"), "First 3 + 4 = 7, then 7 x 2 = 14, and"),
+                          (Problem("q", "5", "gsm8k"), "I am not sure. 1 2 3 4 5"),
+                          (Problem("q", "12", "gsm8k"), "#### 18 - 6 = 12"),
+                          (Problem("q", "0.5", "gsm8k"), "#### .5"),
+                          (Problem("q", "0.5", "gsm8k"), "#### 1/2"),
+                          (Problem("q", "1213", "gsm8k"), "#### 12,13")])
+    assert res.rewards == [0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    assert res.stages == ["cheap", "cheap", "exact", "exact", "exact", "exact"]
+    assert res.cheap_fail == {"no_answer": 2}
+
+
+def test_no_decimal_for_a_symbolic_answer_and_no_number_for_a_tuple(cascade):
+    batch = [(Problem("q", r"\sqrt{2}", "math"), r"\boxed{1.41421356}"),
+             (Problem("q", r"\frac{\sqrt{2}}{2}", "math"), r"\boxed{0.70710678}"),
+             (Problem("q", r"\frac{1}{3}", "math"), r"\boxed{0.333333}"),
+             (Problem("q", r"2\pi", "math"), r"\boxed{6.2831853}"),
+             (Problem("q", "(1,234)", "math"), r"\boxed{(1234)}"),   # math-verify: an interval, not 1234
+             (Problem("q", "1234", "math"), r"\boxed{1,234}"),
+             (Problem("q", r"\sqrt{2}", "math"), r"\boxed{\frac{2}{\sqrt{2}}}")]  # exact, symbolic: a pass
+    res = score(cascade, batch)
+    assert res.rewards == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert res.stages == ["exact"] * 4 + ["verify", "exact", "verify"]
+
+
+def test_a_hung_judge_holds_at_most_judge_workers_threads():
+    release = threading.Event()
+
+    def judge(prompt, completion, reference):
+        if "hang" in completion:
+            release.wait(60)
+        return 0.5
+
+    def judge_threads():  # every thread, whatever its name: the judge must not add more than its workers
+        return threading.active_count()
+
+    p = Problem("q", "", "chat")
+    before = judge_threads()
+    with Cascade(math_verify=False, judge=judge, judge_timeout_s=0.2, judge_workers=2) as c:
+        t0 = time.monotonic()
+        res = c.score_batch([p] * 20, [f"hang {k}" for k in range(20)])
+        assert time.monotonic() - t0 < 3
+        assert res.rewards == [0.0] * 20 and res.timeouts == 20 and res.errors == 0
+        assert judge_threads() - before <= 2
+        t0 = time.monotonic()
+        res = c.score_batch([p] * 20, [f"hang again {k}" for k in range(20)])  # all workers stuck: at once
+        assert time.monotonic() - t0 < 0.5 and res.timeouts == 20
+        assert judge_threads() - before <= 2
+        release.set()  # the stuck calls return: their workers serve again
+        deadline = time.monotonic() + 5
+        while c._judges._stuck and time.monotonic() < deadline:
+            time.sleep(0.01)
+        res = c.score_batch([p] * 3, ["a", "b", "c"])
+        assert res.rewards == [0.5] * 3 and res.timeouts == 0
+        assert judge_threads() - before <= 2
+
+
+def test_a_judge_score_out_of_range_is_an_error():
+    values = {"huge": 1e39, "neg": -1e7, "inf": float("inf"), "bigint": 10 ** 400, "str": "0.5", "none": None,
+              "edge": 1e6, "ok": 0.25, "int": 1, "bool": True}
+
+    def judge(prompt, completion, reference):
+        return values[completion]
+
+    with Cascade(math_verify=False, judge=judge, judge_timeout_s=5.0) as c:
+        res = c.score_batch([Problem("q", "", "chat")] * len(values), list(values))
+    assert res.rewards == [0.0] * 6 + [1e6, 0.25, 1.0, 1.0]
+    assert all(type(r) is float for r in res.rewards)
+    assert res.errors == 6 and res.timeouts == 0 and all("not a finite number" in n for n in res.notes)
+
+
+def test_every_reward_is_a_finite_float(cascade, mbpp, monkeypatch):
+    class Run:
+        passed, status, stderr = float("nan"), "ok", ""
+
+    monkeypatch.setattr(reward, "run_tests", lambda *a, **k: Run())
+    p = mbpp[0]
+    res = score(cascade, [(p, fence(p.answer)), (p, fence(p.answer)), (p, fence("x = 1"))], group_size=3)
+    assert res.rewards == [0.0, 0.0, 0.0] and res.stages == ["verify", "dedup", "verify"]
+    assert res.errors == 2 and "not a finite number" in res.notes[0]

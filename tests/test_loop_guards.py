@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import config
 import train
@@ -138,3 +139,37 @@ def test_the_loop_measures_alpha_on_every_generated_row_not_only_kept_groups(tmp
     assert r["groups_kept"] == 0 and r["tokens"] == 0  # nothing trained...
     assert sum(r["alpha_bins"]["count"]) == r["new_tokens"]  # ...and yet every generated token was measured
     assert 0 < r["alpha_p5"] <= r["alpha_mean"] <= 1
+
+
+def test_the_cascade_sees_each_rows_finish_reason(tmp_path, monkeypatch):
+    import reward
+    seen, orig = [], reward.Cascade.score_batch
+
+    def spy(self, problems, texts, group_size=1, **kw):
+        seen.append(kw.get("finish"))
+        return orig(self, problems, texts, group_size, **kw)
+
+    monkeypatch.setattr(reward.Cascade, "score_batch", spy)
+    train.main(TINY_RUN + ["--steps=1", f"--out_dir={tmp_path}", "--save_every=100"])
+    assert seen and all(f is not None for f in seen)  # training rollouts and evaluation alike
+    assert any("length" in f for f in seen)  # a 12-token limit cuts rows: they reach the cascade as cut
+
+
+def test_overlong_punishment_and_filtering_in_the_loop(tmp_path, monkeypatch):
+    use_parity_reward(monkeypatch.setattr)
+    got, real = [], train.batch_from_groups
+
+    def spy(kept, *a, **k):
+        got.append((kept, a[-1] if len(a) >= 7 else k.get("drop_rows")))
+        return real(kept, *a, **k)
+
+    monkeypatch.setattr(train, "batch_from_groups", spy)
+    train.main(TINY_RUN + ["--steps=2", "--overlong_buffer=6", "--overlong_filter=true", "--refill_tries=3",
+                           f"--out_dir={tmp_path}", "--save_every=100"])
+    kept = [k for ks, _ in got for k in ks]
+    cut = torch.cat([k[6] for k in kept])
+    rewards = torch.cat([k[3] for k in kept])
+    assert cut.any() and (rewards[cut] <= 0).all()  # a cut row ends at -1 on top of its parity reward
+    drops = [d for ks, d in got if ks]
+    assert drops and all(d is not None for d in drops)
+    assert torch.equal(torch.cat(drops), cut)  # ...and, filtered, leaves the loss

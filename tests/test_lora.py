@@ -1,6 +1,7 @@
-"""Stage 4 LoRA: our adapter files load in PEFT (and PEFT's in ours) with the same logits, merging
-and disabling are exact, only the adapter trains, the KV-cache engine still matches the naive loop,
-and a LoRA checkpoint is a plain one."""
+"""Stage 4 LoRA: our adapter files load in PEFT (and PEFT's in ours) with the same logits, on a MoE
+with dense layers too (and what PEFT cannot express is refused), merging and disabling are exact,
+only the adapter trains, the KV-cache engine still matches the naive loop, and a LoRA checkpoint is
+a plain one."""
 import copy
 
 import pytest
@@ -21,9 +22,10 @@ class CharTok:
         return ["".join(chr(97 + t % 26) for t in r if t >= 2) for r in rows]
 
 
-def tiny(moe=False, tie=False, seed=0):
+def tiny(moe=False, tie=False, seed=0, **layers):
     torch.manual_seed(seed)
-    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if moe else {}
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                 **layers) if moe else {}
     m = Transformer(ModelConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                 intermediate_size=64, tie_word_embeddings=tie, **extra))
@@ -85,6 +87,56 @@ def test_we_load_a_peft_adapter(tmp_path):
     save_adapter(ours, tmp_path / "ours", "base")  # and our own files round-trip
     again = load_adapter(copy.deepcopy(base), tmp_path / "ours")
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in ours.state_dict().items())
+
+
+@pytest.mark.parametrize("layers", [dict(decoder_sparse_step=2), dict(mlp_only_layers=[1])],
+                         ids=["sparse_step", "mlp_only_layers"])
+def test_peft_loads_our_adapter_on_mixed_dense_and_moe_layers(tmp_path, layers):
+    import peft
+    # PEFT reads gate/up/down_proj targets as the fused experts: the dense layers' MLP adapters
+    # must reach it another way. Input dropout, which PEFT refuses on the experts, is written as 0
+    base = tiny(True, **layers)
+    assert sorted(type(b.mlp).__name__ for b in base.model.layers) == ["MLP", "MoE"]
+    ours = randomise_lora(add_lora(copy.deepcopy(base), r=4, alpha=8, dropout=0.1))
+    base.save_pretrained(tmp_path / "base")
+    save_adapter(ours, tmp_path / "adapter", str(tmp_path / "base"))
+    hf = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                        tmp_path / "adapter")
+    with torch.no_grad():
+        want, got = hf.eval()(IDX).logits, ours(IDX)
+        assert (got - want).abs().max().item() <= 1e-4
+        dense = [m for n, m in ours.named_modules()
+                 if isinstance(m, LoRALinear) and ".mlp." in n and ".experts." not in n]
+        assert len(dense) == 3
+        for m in dense:
+            m.enabled = False
+        # without the dense MLPs' adapters the logits move: the comparison above sees them
+        assert (ours(IDX) - want).abs().max().item() > 1e-2
+    # and our own loader reads the same files back onto the same modules, fresh or (resume) onto
+    # a model that has its adapters already
+    for model in (copy.deepcopy(base), add_lora(copy.deepcopy(base), r=4, alpha=8)):
+        again = lora_state_dict(load_adapter(model, tmp_path / "adapter"))
+        assert again.keys() == lora_state_dict(ours).keys()
+        assert all(torch.equal(v, again[k]) for k, v in lora_state_dict(ours).items())
+
+
+def test_moe_adapters_that_peft_cannot_express_are_refused(tmp_path):
+    import peft
+    m = add_lora(tiny(True, decoder_sparse_step=2), targets=("q_proj", "experts.0.down_proj"))
+    with pytest.raises(ValueError, match="every expert of every MoE layer"):
+        save_adapter(m, tmp_path / "some", "base")
+    m = add_lora(tiny(True), targets=("gate_proj", "down_proj"))
+    with pytest.raises(ValueError, match="up_proj"):
+        save_adapter(m, tmp_path / "gate", "base")
+    # PEFT's own adapter on transformers' fused experts: one rank over gate and up together
+    base = tiny(True)
+    base.save_pretrained(tmp_path / "base")
+    cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "gate_proj", "up_proj"],
+                          task_type="CAUSAL_LM")
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                        cfg).save_pretrained(tmp_path / "fused")
+    with pytest.raises(ValueError, match="fused MoE experts do not load"):
+        load_adapter(copy.deepcopy(base), tmp_path / "fused")
 
 
 @pytest.mark.parametrize("moe", [False, True])

@@ -200,8 +200,8 @@ def test_dynamic_sampling_trains_short_when_tries_run_out(tmp_path, monkeypatch,
     import reward
     orig = reward.Cascade.score_batch
 
-    def all_zero(self, problems, texts, group_size=1):  # no group ever has spread: nothing to learn from
-        res = orig(self, problems, texts, group_size)
+    def all_zero(self, problems, texts, group_size=1, **kw):  # no group ever has spread: nothing to learn from
+        res = orig(self, problems, texts, group_size, **kw)
         res.rewards = [0.0] * len(texts)
         return res
 
@@ -223,8 +223,8 @@ def test_a_refill_draws_the_missing_groups_over_the_keep_rate(tmp_path, monkeypa
     orig = reward.Cascade.score_batch
     spread = lambda p: zlib.crc32(p.prompt.encode()) % 3 == 0  # about a third of the prompts give a group with spread
 
-    def some_spread(self, problems, texts, group_size=1):
-        res = orig(self, problems, texts, group_size)
+    def some_spread(self, problems, texts, group_size=1, **kw):
+        res = orig(self, problems, texts, group_size, **kw)
         res.rewards = [float(spread(p) and k % 2 == 0) for k, p in enumerate(problems)]
         return res
 
@@ -273,7 +273,7 @@ def test_lora_in_the_loop_trains_only_the_adapter_and_resumes(tmp_path, monkeypa
     full = train.main(run + [f"--out_dir={tmp_path / 'a'}", "--save_every=100"])["records"]
     ws = Transformer.from_pretrained(str(tmp_path / "a" / "warmstart"))
     ck = Transformer.from_pretrained(str(tmp_path / "a" / "ckpt"))  # merged weights, plain HF names
-    assert (tmp_path / "a" / "ckpt" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "a" / "ckpt" / "adapter" / "adapter_model.safetensors").exists()
     assert any(not torch.equal(a, b) for a, b in zip(ws.state_dict().values(), ck.state_dict().values()))
     # embeddings and norms are not adapted: they must be bit-identical to the warm start
     assert torch.equal(ws.model.embed_tokens.weight, ck.model.embed_tokens.weight)
