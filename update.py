@@ -242,8 +242,13 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
     packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda and flash_attn_varlen_func is not None)
     N = ids.shape[0]
     chunks = lambda rows: micro_batches(rows, cfg.micro_batch, cfg.fsdp, ids.device)
+    # one optimizer step per batch: logp_old IS the training forward's log-prob (ratio 1), so the
+    # no-grad pass before it would compute the same numbers again. It is skipped; old fills below
+    single = cfg.passes * cfg.minibatches == 1 and not dense_dist
     if dense_dist:  # DistillSparse also takes the whole dense distribution at these positions
         old, dense_full = reference_logprobs(cfg, model, ids, tmask, packed, full=True)
+    elif single:
+        old = torch.zeros(ids.shape, device=ids.device)
     else:  # logp_old: the policy before this batch's first update (every rank runs as many forwards)
         with torch.no_grad():
             parts = chunks(torch.arange(N))
@@ -251,8 +256,10 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
                 if parts else torch.zeros(0, ids.shape[1], device=ids.device)
     ref = reference_logprobs(cfg, ref_model, ids, tmask, packed) if cfg.kl_coef > 0 else None
     mode = cfg.is_correction if rollout_logp is not None else "none"
-    is_w, mis = is_weights(old, old if rollout_logp is None else rollout_logp, tmask.float(), mode,
-                           cfg.is_cap, cfg.mis_low, cfg.mis_high)
+    weights = lambda o, rows: is_weights(o, o if rollout_logp is None else rollout_logp[rows],
+                                         tmask[rows].float(), mode, cfg.is_cap, cfg.mis_low, cfg.mis_high)
+    if not single:
+        is_w, mis = weights(old, slice(None))
     mb_tokens = (ntok / cfg.minibatches).clamp(min=1)  # token-level mean over the (global) minibatch
     model.train()  # dropout (LoRA's) only here: rollouts, logp_old and evaluation run in eval mode
     for _ in range(cfg.passes):
@@ -261,8 +268,11 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
             loss_ok = True
             for micro in chunks(torch.arange(k, N, cfg.minibatches)):  # may be none, or empty, on this rank
                 lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed)
+                if single:
+                    old[micro] = lp.detach()
+                w = weights(old[micro], micro)[0] if single else is_w[micro]
                 loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low, cfg.clip_high,
-                                  None if ref is None else ref[micro], cfg.kl_coef, is_w[micro], cfg.kl_loss)
+                                  None if ref is None else ref[micro], cfg.kl_coef, w, cfg.kl_loss)
                 (loss * (world if cfg.fsdp else 1) / mb_tokens).backward()  # FSDP averages over ranks: undo it
                 loss_ok &= bool(torch.isfinite(loss))  # an inf loss can still give a finite gradient
                 stats[0] += loss.item()
@@ -273,6 +283,8 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
             else:
                 stats[4] += gn.item()
     model.eval()
+    if single:  # the mismatch figures, now that every row's logp_old is known
+        _, mis = weights(old, slice(None))
     taken = cfg.passes * cfg.minibatches - stats[3]
     stats[4] = stats[4] / taken.clamp(min=1)  # the mean gradient norm of the steps taken, not their sum
     stats[1] = tmask.sum() * cfg.passes

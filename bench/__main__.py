@@ -20,7 +20,7 @@ import torch
 
 from bench.common import RESULTS, write_block
 
-SECTIONS = ("rollout", "signal", "sparrow", "sparsecost")  # bench/<name>.py, each with run()
+SECTIONS = ("rollout", "signal", "sparrow", "sparsecost", "sparsepath", "gpu")  # bench/<name>.py, each with run()
 
 
 def main(argv):

@@ -113,3 +113,27 @@ def test_overlong_filtering_drops_truncated_rows_from_the_loss_but_not_from_the_
                                                      drop_rows=kept[0][6])
     assert tmask[1].sum() == 0 and tmask[0].sum() == 3 and tmask[2].sum() == 3
     assert torch.allclose(adv, torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-4)  # the group's mean keeps row 1
+
+
+def test_one_optimizer_step_skips_the_old_logprob_pass_and_updates_the_same(monkeypatch):
+    ids, tmask, adv = batch()
+    roll = torch.randn(4, 8) * 0.1 - 2.0
+    calls, real = [], update.token_logprobs
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(update, "token_logprobs", counted)
+    after = {}
+    for name, dense_dist in (("one pass", False), ("with the old pass", True)):
+        m = tiny()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        calls.clear()
+        out = update.train_on(config.Config(micro_batch=2), m, opt, ids, tmask, adv, world=1, rollout_logp=roll,
+                              dense_dist=dense_dist)
+        after[name] = (len(calls), m.state_dict(), out["sample_alpha_mean"], out["stats"][0].item())
+    assert after["one pass"][0] == 2 and after["with the old pass"][0] == 4  # 2 micro-batches
+    one, two = after["one pass"], after["with the old pass"]
+    assert all(torch.allclose(one[1][k], two[1][k], atol=1e-6) for k in one[1])  # the same update
+    assert one[2] == pytest.approx(two[2], abs=1e-6) and one[3] == pytest.approx(two[3], rel=1e-5)

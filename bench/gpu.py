@@ -1,0 +1,158 @@
+"""
+bench/gpu.py: stage 2 on one GPU, in one command that needs only torch, triton, numpy and this
+repository (no flash-attn, no datasets, no network). Three tables in one:
+    (a) the Triton kernel against its PyTorch reference, in fp32, bf16 and fp16: max abs error;
+    (b) the kernel (1/8 of the pages) against SDPA (dense) and FlexAttention (the same block mask),
+        at 8k and 32k cached tokens, with the bandwidth each reaches on the bytes it reads;
+    (c) the engine's decode tokens/s, dense against 1/8 of the pages, on a Qwen3-1.7B-shaped model
+        with random weights.
+
+    python -m bench gpu                    # on a GPU: a few minutes; prints and writes the table
+    python -m bench gpu --quick            # toy sizes; on a CPU through Triton's interpreter (CI)
+
+The table goes to out/bench_gpu.md (and, with --write-results, to bench/RESULTS.md).
+
+Simplifications:
+    1. Random weights and random caches: speed does not depend on the values. The selection is
+       Sparrow-like (the first page, the two most recent, random others), not a scorer's.
+    2. Times are triton.testing.do_bench's on a GPU; on a CPU (the smoke run) they time the
+       interpreter and mean nothing but that the code runs.
+    3. Bandwidth counts the K and V bytes of the valid tokens read (the kernel and flex: the
+       selected pages; SDPA: every page), not the queries or the outputs.
+    4. (c) decodes greedily with EOS off after one shared prompt per group, so both arms produce
+       the same number of tokens; the sparse arm's first two layers are dense.
+"""
+
+import os
+import time
+
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
+
+from bench.common import hardware  # noqa: E402
+from kernels.block_sparse_decode import (  # noqa: E402
+    _bytes_read, _make_problem, block_sparse_decode, block_sparse_decode_ref)
+from model import ModelConfig, Transformer  # noqa: E402
+from rollout import Engine  # noqa: E402
+from sparsity import fraction_budget  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def timer(dev):
+    """Milliseconds of one call of fn: do_bench on a GPU, one wall-clock call elsewhere."""
+    if dev == "cuda":
+        return triton.testing.do_bench
+
+    def once(fn):
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+
+    return once
+
+
+def correctness(dev, quick):
+    """(a): rows of the kernel's max abs error against the reference, per dtype."""
+    rows = []
+    shape = (2, 2, 2, 16, 8, 64, 3) if quick else (8, 8, 2, 128, 16, 4096, 32)
+    for dtype, tol in TOLERANCE.items():
+        p = _make_problem(*shape, dtype, dev)
+        err = (block_sparse_decode(*p).float() - block_sparse_decode_ref(*p).float()).abs().max()
+        rows.append(f"| (a) kernel vs reference, {str(dtype)[6:]} | max abs err {err.item():.2e} | "
+                    f"tolerance {tol:g} | {'ok' if err.item() <= tol else 'FAIL'} |")
+    return rows
+
+
+def flex_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel):
+    """The unpaged (B, H_kv, T, D) copies that SDPA and flex read, and flex's block mask over the
+    same logical pages (one KV block per page; the G queries of a group as G query positions of
+    one head, since flex's per-head block mask and GQA do not combine in its decode path)."""
+    B, H_kv, P, max_pages = q.shape[0], k_cache.shape[2], k_cache.shape[1], page_table.shape[1]
+    G, D = q.shape[1] // H_kv, q.shape[2]
+    kc = k_cache[page_table.long()].flatten(1, 2).transpose(1, 2).contiguous()
+    vc = v_cache[page_table.long()].flatten(1, 2).transpose(1, 2).contiguous()
+    kv_indices = torch.zeros(B, H_kv, 1, max_pages, dtype=torch.int32, device=q.device)
+    kv_indices[..., :sel.shape[2]] = sel[:, :, None]
+    mask = BlockMask.from_kv_blocks(n_sel[..., None].contiguous(), kv_indices,
+                                    BLOCK_SIZE=(128, P), seq_lengths=(G, max_pages * P),
+                                    compute_q_blocks=False,
+                                    mask_mod=lambda b, h, q_idx, kv_idx: kv_idx < seq_lens[b])
+    return kc, vc, mask, q.view(B, H_kv, G, D)
+
+
+def kernel_vs_dense(dev, quick):
+    """(b): the kernel at 1/8 of the pages, SDPA dense, flex sparse: ms and GB/s, per context."""
+    ms, rows = timer(dev), []
+    flex = torch.compile(flex_attention, dynamic=False)  # eager flex is a slow reference (and was
+    # seen to mis-read a small block mask on the CPU): compiled, as it is meant to run
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    for ctx in ((64,) if quick else (8192, 32768)):
+        B, H_kv, G, D, P = (1, 2, 2, 16, 8) if quick else (16, 8, 2, 128, 16)
+        p = _make_problem(B, H_kv, G, D, P, ctx, max(4, ctx // P // 8), dtype, dev)
+        q, read = p[0], _bytes_read(p[1], *p[3:])  # K and V bytes of the selected pages
+        kc, vc, mask, qg = flex_inputs(*p)
+        ref = block_sparse_decode_ref(*p).float()
+        flex_err = (flex(qg, kc, vc, block_mask=mask).reshape(ref.shape).float() - ref).abs().max()
+        arms = {"kernel, 1/8 of the pages": (lambda: block_sparse_decode(*p), read),
+                "SDPA, dense": (lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc,
+                                                                       enable_gqa=True),
+                                2 * kc.numel() * kc.element_size()),
+                "FlexAttention, same pages": (lambda: flex(qg, kc, vc, block_mask=mask), read)}
+        for name, (fn, nbytes) in arms.items():
+            fn()  # compile and warm up
+            t = ms(fn)
+            rows.append(f"| (b) {name}, {ctx} tokens, batch {B} | {t:.3f} ms | "
+                        f"{nbytes / t / 1e6:.0f} GB/s | flex err {flex_err.item():.1e} |")
+    return rows
+
+
+def engine_decode(dev, quick):
+    """(c): decode tokens/s of the engine, dense vs 1/8 of the pages, same model and prompts."""
+    torch.manual_seed(0)
+    if quick:
+        cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          max_position_embeddings=512)
+        prompt, G, n_prompts, new = 96, 2, 2, 8
+    else:  # Qwen3-1.7B's shape
+        cfg = ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                          head_dim=128, max_position_embeddings=40960)
+        prompt, G, n_prompts, new = 8192, 8, 4, 256
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    model = Transformer(cfg).to(dev, dtype).eval()
+    tok = type("Ids", (), {"pad_token_id": 0, "eos_token_id": None,
+                           "batch_decode": lambda self, rows, **k: ["" for _ in rows]})()
+    prompts = [torch.randint(3, cfg.vocab_size, (prompt,)).tolist() for _ in range(n_prompts)]
+    rate = {}
+    for name, budget in (("dense", False), ("1/8 of the pages", fraction_budget(1 / 8))):
+        eng = Engine(model, tok, max_new_tokens=new, temperature=0.0, sparse=budget, eos_ids=[-1])
+        with torch.no_grad():
+            eng.generate(prompts[:1], 1, seed=0)  # warm up (and compile the kernel)
+            t = eng.generate(prompts, G, seed=0).timings
+        rate[name] = t["new_tokens"] / t["decode_s"]
+    return [f"| (c) engine decode, {n_prompts} x {G} rows, {prompt}-token prompts, {new} new | "
+            f"dense {rate['dense']:.0f} tok/s | 1/8 {rate['1/8 of the pages']:.0f} tok/s | "
+            f"{rate['1/8 of the pages'] / rate['dense']:.2f}x |"]
+
+
+def run(quick, cmd):
+    """-> the table, head included; also written to out/bench_gpu.md."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hw = hardware(gpu=dev == "cuda")
+    lines = [f"Hardware: {hw}. Command: `{cmd}`." + ("" if dev == "cuda" else
+             " No GPU: Triton's interpreter at toy sizes, a smoke run (times mean nothing)."), "",
+             "| what | figure | figure | note |", "|---|---|---|---|"]
+    for part in (correctness, kernel_vs_dense, engine_decode):
+        lines += part(dev, quick)
+    os.makedirs("out", exist_ok=True)
+    with open(os.path.join("out", "bench_gpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines

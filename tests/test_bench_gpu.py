@@ -1,0 +1,17 @@
+"""`python -m bench gpu` at toy sizes: on a machine without a GPU it runs through Triton's interpreter,
+so the command a GPU session runs is known to work before the GPU is there."""
+import os
+
+import bench.gpu
+
+
+def test_gpu_bench_runs_at_toy_sizes_and_checks_what_it_times(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # it writes out/bench_gpu.md
+    rows = bench.gpu.run(quick=True, cmd="python -m bench gpu --quick")
+    a = [r for r in rows if r.startswith("| (a)")]
+    assert len(a) == 3 and all(r.endswith("| ok |") for r in a)  # fp32, bf16, fp16 against the reference
+    b = [r for r in rows if r.startswith("| (b)")]
+    assert len(b) == 3 and all(float(r.split("flex err ")[1].split(" ")[0]) < 1e-3 for r in b)
+    assert len([r for r in rows if r.startswith("| (c)")]) == 1
+    assert (tmp_path / "out" / "bench_gpu.md").read_text().splitlines() == rows
+    assert os.environ.get("TRITON_INTERPRET") == "1" or bench.gpu.torch.cuda.is_available()
