@@ -19,6 +19,8 @@ What is here:
                       tokens, p5 alpha per bin
     Controller        online: each step's p5 per bin raises a failing bin at once and lowers a calm
                       one slowly
+    observe           one step's tail (mean and p5 alpha, overall and per bin) for the log, and the
+                      controller's move
     kv_budget         the engine's budget from config key kv_budget (dense, fraction, fixed, table,
                       schedule file, or the sweep at the start of the run)
     main              the CLI above: build the policy the run would start from, sweep, write the
@@ -273,6 +275,24 @@ class Controller:
     def load_state_dict(self, sd):
         self.target = sd["target"]
         self.floor, self.calm, self.room = list(sd["floor"]), list(sd["calm"]), list(sd["room"])
+
+
+def observe(alpha, pages, bin_pages, schedule=None, controller=None):
+    """One step's tail: Sparrow's per-position alpha of every generated token (all ranks') and the
+    pages cached when each was generated -> the figures for the log (mean and p5 overall and per bin
+    of `bin_pages`); the controller, if any, moves the schedule's table toward the smallest budgets
+    whose p5 holds its target."""
+    if alpha.numel() == 0:
+        return {}
+    every = torch.ones(1, alpha.numel(), dtype=torch.bool)
+    st = bin_stats(alpha[None], every, pages[None], bin_pages)
+    rec = {"alpha_mean": alpha.mean().item(), "alpha_p5": alpha.quantile(0.05).item(),
+           "alpha_bins": {k: st[k].tolist() for k in ("count", "mean", "p5")}}
+    if controller is not None:
+        rec["kv_moved"] = controller.observe(st["p5"], st["count"])
+    if schedule is not None:
+        rec["kv_table"] = list(schedule.table)
+    return rec
 
 
 # ----------------------------------------------------------------------------- from a config

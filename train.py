@@ -1,32 +1,35 @@
 """
-train.py: the entry point and THE loop. Read `main` top to bottom: build the run, then every step goes
-signal -> rollout -> rewards -> update -> sync, writes one log line, and now and then evaluates and saves.
+train.py: the entry point and THE loop. Read `main` top to bottom: build the run, then every step
+goes signal -> rollout -> rewards -> update -> sync, writes its log lines, and now and then
+evaluates and saves.
 
-    python train.py                                        # the embedded default: tiny model, synthetic task, CPU
-    python train.py configs/gsm8k_qwen3.py                 # a config file of overrides
-    python train.py configs/tiny.py --steps=20 --lr=1e-3   # ... plus command-line overrides
-    torchrun --nproc_per_node=2 train.py --threads=1       # data parallel (gloo on the CPU, NCCL on GPUs)
-    torchrun --nproc_per_node=3 train.py --rollout_ranks=1 # disaggregated: 1 rank generates, 2 train
+    python train.py                                       # the embedded default: tiny model, CPU
+    python train.py configs/gsm8k_qwen3.py                # a config file of overrides
+    python train.py configs/tiny.py --steps=20 --lr=1e-3  # ... plus command-line overrides
+    torchrun --nproc_per_node=2 train.py --threads=1      # data parallel (gloo CPU, NCCL GPU)
+    torchrun --nproc_per_node=3 train.py --rollout_ranks=1  # disaggregated: 1 generates, 2 train
 
 One step (`rl_step`):
-    1 signal   the sampler draws prompts from the growth zone (pass rate neither ~0 nor ~1)      prompts.py
-    2 rollout  engine.generate: G completions each, the prompt prefilled once per group         rollout.py
-    3 rewards  the verifier cascade; every rank tells the sampler every group's rewards          reward.py
-               groups whose rewards are all equal carry no gradient: they are dropped and refilled with
-               fresh prompts up to `refill_tries` times; then the batch is trained short, never padded (DAPO)
-    4 update   advantages -> dense log-probs -> clipped policy-gradient loss with IS weights    update.py
-    5 sync     colocated: the rollout copy follows the policy in place; disaggregated: trainer 0 ships a
-               checked weight delta to the ranks that only generate                 copies.py, sync.py
-The rank's role (parallel.Role) decides which of stages 1-3 and 4 it runs: colocated, every rank runs both.
-The log has one line per step with each stage's figures, plus a tqdm bar; metrics.jsonl has every number.
-A run ends with a summary table, a plot (out_dir/run.png) and the weight checksum of every rank.
+    1 signal   the sampler draws prompts from the growth zone (pass rate neither ~0 nor ~1)
+    2 rollout  engine.generate: G completions each, the prompt prefilled once per group; with a
+               sparse budget or a rollout copy, Sparrow's per-position alpha on every row
+    3 rewards  the verifier cascade; every rank tells the sampler every group's rewards. Groups
+               whose rewards are all equal carry no gradient: they are dropped and refilled with
+               fresh prompts up to `refill_tries` times; then the batch trains short, never padded
+    4 update   advantages -> dense log-probs -> clipped policy-gradient loss with IS weights
+    5 sync     colocated: the rollout copy follows the policy in place; disaggregated: trainer 0
+               ships a checked weight delta to the ranks that only generate
+The rank's role (parallel.Role) decides which of stages 1-3 and 4 it runs; colocated, it runs both.
+Each step logs a few lines with every stage's figures (a tqdm bar on a terminal); metrics.jsonl has
+every number. A run ends with a summary table, out_dir/run.png and every rank's weight checksum.
 
 Simplifications:
-    1. Colocated by default: the policy and the rollout engine share a process (and, with rollout_copy=same,
-       the module). `fsdp=true` shards training and keeps a full replica for the engines.
-    2. The embedded default builds its own warm start (warmstart.py) and caches it under out_dir.
-    3. Held-out accuracy is greedy, on the policy itself (not the rollout copy), scored by the same cascade.
-    4. A config or data error stops the run with one line that names the key, before anything is trained.
+    1. Colocated by default: the policy and the rollout engine share a process (and, with
+       rollout_copy=same, the module). `fsdp=true` shards training, with a full replica to generate.
+    2. The embedded default builds its own warm start (warmstart.py), cached under out_dir.
+    3. Held-out accuracy is greedy, on the policy itself (not the rollout copy), scored by the same
+       cascade.
+    4. A config or data error stops the run with one line that names the key, before any training.
 
 Config: `Config` in config.py is the one source of truth; the run writes the config it used to
 out_dir/config.json.
@@ -41,28 +44,24 @@ import sys
 import time
 from dataclasses import dataclass
 
-import matplotlib
 import torch
 from tqdm import tqdm
 
 import copies
 import parallel
-from calibrate import Controller, Schedule, kv_budget
+from calibrate import Controller, Schedule, kv_budget, observe
 from checkpoint import load_checkpoint, save_checkpoint
 from config import cli, parse_config
 from distill import DistillSparse
 from model import add_lora
 from prompts import group_has_signal, make_sampler, refill_size
+from report import plot, step_lines, summary
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
-from sparsity import alpha_k, bin_stats, dense_alpha
+from sparsity import alpha_k, dense_alpha
 from tasks import encode_pool, load_problems
 from update import batch_from_groups, lr_at, pg_loss, train_on
 from warmstart import build_policy
-
-matplotlib.use("Agg")  # the plot is a file: no display needed
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-
 
 @dataclass
 class Run:
@@ -72,7 +71,7 @@ class Run:
     dev: torch.device
     model: torch.nn.Module  # the policy being trained (sharded under FSDP)
     tok: object
-    rollout_model: torch.nn.Module  # what generates: the policy itself, a cheaper copy, or DistillSparse's
+    rollout_model: torch.nn.Module  # what generates: the policy, a cheaper copy, DistillSparse's
     engine: Engine  # rollouts, possibly sparse
     greedy: Engine  # held-out evaluation, dense, on the full policy
     cascade: Cascade
@@ -82,19 +81,19 @@ class Run:
     train_ids: list  # token ids of the training pool
     eval_p: list  # held-out problems, and their ids
     eval_ids: list
-    measure: bool  # the rollout can differ from the policy (sparse, a copy): measure alpha every step
+    measure: bool  # the rollout can differ from the policy (sparse, a copy): alpha every step
     replica: torch.nn.Module = None  # FSDP: the full-weight copy that the engines read
     ref_model: torch.nn.Module = None  # kl_coef > 0: the frozen reference policy
     schedule: Schedule = None  # table KV budgets: the engine reads this object...
     controller: Controller = None  # ...and this edits it, so its moves apply from the next step
     distill: DistillSparse = None  # distill_r > 0: the rollout-only adapter
-    dense_engine: Engine = None  # kv_compare_every > 0: a dense engine for the in-run speed comparison
-    sender: object = None  # disaggregated: the two ends of stage 5 (sync.Sender on trainer 0, Receivers)
+    dense_engine: Engine = None  # kv_compare_every > 0: dense, for the in-run speed comparison
+    sender: object = None  # disaggregated: stage 5's ends (a Sender on trainer 0, Receivers)
     receiver: object = None
 
 
 def build(cfg, rank, world, dev, role, log):
-    """The policy, its data, its engines and its optimizer. The order matters: it sets what the seed draws."""
+    """The policy, its data, its engines and its optimizer. The order sets what the seed draws."""
     random.seed(cfg.seed)
     model, tok = build_policy(cfg, dev, log, rank, world)
     train_p, eval_p = load_problems(cfg)
@@ -110,7 +109,7 @@ def build(cfg, rank, world, dev, role, log):
     replica = parallel.shard(cfg, model, dev) if cfg.fsdp else None
     full = replica or model  # full weights: what the engines read
     table = os.path.join(cfg.out_dir, "kv_schedule.json")
-    if cfg.resume and cfg.kv_budget == "calibrate" and os.path.exists(table):  # calibrated once, at the start
+    if cfg.resume and cfg.kv_budget == "calibrate" and os.path.exists(table):  # calibrated once
         budget = kv_budget(dataclasses.replace(cfg, kv_budget=f"schedule:{table}"), log=log)
     else:
         budget = kv_budget(cfg, full, tok, train_ids, log, rank)
@@ -118,30 +117,29 @@ def build(cfg, rank, world, dev, role, log):
     rollout_model = distill.model if distill is not None else copies.rollout_model_for(cfg, full)
     log(f"rollout copy: {copies.describe_copy(rollout_model)}"
         + (f", plus a DistillSparse adapter of rank {cfg.distill_r}" if distill else ""))
-    model.eval()  # dropout only in the training forwards (update.train_on switches it on and off)
-    stop = [cfg.stop] if cfg.stop else []
-    kv = dict(page_size=cfg.page_size, scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
+    model.eval()  # dropout only in the training forwards (update.train_on turns it on and off)
     measure = bool(budget) or rollout_model is not full  # a rollout that can differ from the policy
-    topk = alpha_k(model.config.vocab_size, cfg.alpha_topk) if measure else 0  # what alpha needs of it
-    engine = Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop, sparse=budget,
-                    record_pages=distill is not None, topk_logprobs=topk, **kv)
-    dense_engine = (Engine(rollout_model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p, stop, **kv)
-                    if cfg.kv_compare_every > 0 and budget else None)
+    topk = alpha_k(model.config.vocab_size, cfg.alpha_topk) if measure else 0  # what alpha needs
+    stop = [cfg.stop] if cfg.stop else []
+    gen = dict(tokenizer=tok, max_new_tokens=cfg.max_new_tokens, stop=stop)
+    kv = dict(temperature=cfg.temperature, top_p=cfg.top_p, page_size=cfg.page_size,
+              scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
+    engine = Engine(rollout_model, sparse=budget, record_pages=distill is not None,
+                    topk_logprobs=topk, **gen, **kv)
+    dense_engine = Engine(rollout_model, **gen, **kv) if cfg.kv_compare_every and budget else None
     schedule = budget if isinstance(budget, Schedule) else None
     controller = Controller(schedule, target=cfg.kv_target) if cfg.kv_controller else None
-    greedy = Engine(full, tok, cfg.max_new_tokens, 0.0, 1.0, stop)  # held-out accuracy is the policy's
+    greedy = Engine(full, temperature=0.0, **gen)  # held-out accuracy is the policy's own
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     sampler = make_sampler(cfg, train_p)
-    if cfg.autocast not in ("none", "bfloat16"):
-        raise ValueError(f"config key 'autocast' must be none or bfloat16, got {cfg.autocast!r}")
     amp = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.autocast == "bfloat16")
-    cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify, judge=load_judge(cfg.judge),
-                      judge_timeout_s=cfg.judge_timeout_s)
+    cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify,
+                      judge=load_judge(cfg.judge), judge_timeout_s=cfg.judge_timeout_s)
     sender, receiver = parallel.shipper(model, role)
-    return Run(role, world, dev, model, tok, rollout_model, engine, greedy, cascade, opt, sampler, amp,
-               train_ids, eval_p, eval_ids, measure, replica, ref_model, schedule, controller, distill,
-               dense_engine, sender, receiver)
+    return Run(role, world, dev, model, tok, rollout_model, engine, greedy, cascade, opt, sampler,
+               amp, train_ids, eval_p, eval_ids, measure, replica, ref_model, schedule, controller,
+               distill, dense_engine, sender, receiver)
 
 
 def main(argv):
@@ -167,9 +165,11 @@ def main(argv):
 
 
 def train(cfg, run, rank, log):
-    """Evaluate the start (or resume), run the steps (log, metrics, checkpoints), check the ranks agree."""
+    """Evaluate the start (or resume), run the steps (log, metrics, checkpoints), check that the
+    ranks agree."""
     start, history = 0, {"records": [], "acc0": None}
-    extra = {"schedule": run.schedule, "controller": run.controller, "distill": run.distill}  # checkpointed too
+    # checkpointed with the policy: what else a resumed run must find as it was
+    extra = {"schedule": run.schedule, "controller": run.controller, "distill": run.distill}
     if cfg.resume:
         start, history = load_checkpoint(cfg, run.model, run.opt, run.sampler, run.dev, extra)
         refresh_rollout(cfg, run)  # the copy was made from the weights before the checkpoint
@@ -181,15 +181,16 @@ def train(cfg, run, rank, log):
     if run.role.split:
         log(f"{len(run.role.trainers)} trainer and {len(run.role.rollouts)} rollout ranks, "
             f"max staleness {cfg.max_staleness}")
-    log(f"policy: {run.model.num_params() / 1e6:.2f}M parameters on {run.dev} ({cfg.dtype}), world size "
-        f"{run.world}; {len(run.train_ids)} training prompts")
+    log(f"policy: {run.model.num_params() / 1e6:.2f}M parameters on {run.dev} ({cfg.dtype}), "
+        f"world size {run.world}; {len(run.train_ids)} training prompts")
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if rank == 0:  # rewrite the log up to the resume point, so a resumed run does not repeat steps
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history["records"])
-    t_start, end, skipped = time.perf_counter(), min(cfg.steps, cfg.stop_at or cfg.steps), 0
-    bar = rank == 0 and sys.stderr.isatty()  # a bar in a file is one endless line: only on a terminal
-    for step in tqdm(range(start, end), desc="rl", initial=start, total=end, disable=not bar, dynamic_ncols=True):
+    t_start, end, skipped = time.perf_counter(), last_step(cfg) + 1, 0
+    bar = rank == 0 and sys.stderr.isatty()  # a bar in a file is one endless line: terminals only
+    for step in tqdm(range(start, end), desc="rl", initial=start, total=end, disable=not bar,
+                     dynamic_ncols=True):
         for g in run.opt.param_groups:
             g["lr"] = lr_at(cfg, step)
         last = step == end - 1
@@ -199,33 +200,42 @@ def train(cfg, run, rank, log):
                 rec["acc"] = evaluate(cfg, run)
         if not run.role.trains:  # a rollout rank: its figures are the trainers' to log
             continue
-        if rec["tokens"]:  # optimizer steps skipped in a row for NaN/inf, across steps: a diverged run stops
+        if rec["tokens"]:  # optimizer steps skipped in a row for NaN/inf: a diverged run stops
             went_through = rec["skipped_nonfinite"] < cfg.passes * cfg.minibatches
             skipped = 0 if went_through else skipped + rec["skipped_nonfinite"]
         history["records"].append(rec)
-        log(fmt(rec))
+        log(step_lines(rec))
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        if skipped >= cfg.max_skipped:  # before saving: the weights that diverged are not checkpointed
-            raise FloatingPointError(f"stopped at step {step}: the last {skipped} optimizer steps had a NaN or inf "
-                                     f"loss or gradient (max_skipped={cfg.max_skipped}); lower lr or check the "
-                                     f"rewards. The last checkpoint is in {cfg.out_dir}/ckpt")
+        if skipped >= cfg.max_skipped:  # before saving: weights that diverged are not checkpointed
+            raise FloatingPointError(
+                f"stopped at step {step}: the last {skipped} optimizer steps had a NaN or inf "
+                f"loss or gradient (max_skipped={cfg.max_skipped}); lower lr or check the "
+                f"rewards. The last checkpoint is in {cfg.out_dir}/ckpt")
         if rank == 0 and ((step + 1) % cfg.save_every == 0 or last):
-            save_checkpoint(cfg, run.replica or run.model, run.tok, run.opt, run.sampler, step + 1, history, extra)
+            save_checkpoint(cfg, run.replica or run.model, run.tok, run.opt, run.sampler, step + 1,
+                            history, extra)
     history["checksums"] = parallel.check_ranks_agree(run.replica or run.model, run.world, log)
     if rank == 0:
-        summarize(cfg, history, time.perf_counter() - t_start, log)
+        log(summary(history, time.perf_counter() - t_start))
+        if cfg.plot:
+            plot(history, os.path.join(cfg.out_dir, "run.png"))
     return history
 
 
-# ----------------------------------------------------------------------------- one RL step
+def last_step(cfg):
+    """The index of the run's last step: `steps` ends the schedule, `stop_at` may come first."""
+    return min(cfg.steps, cfg.stop_at or cfg.steps) - 1
+
+
+# --------------------------------------------------------------------------------- one RL step
 
 
 def rl_step(cfg, step, run):
     """One step, stage by stage. Returns the step's metrics record."""
     collected = collect(cfg, step, run) if run.role.collects else None  # stages 1-3
-    kept, rec = parallel.exchange(collected, run.role)  # colocated: the same groups, on the same rank
+    kept, rec = parallel.exchange(collected, run.role)  # colocated: the same groups, same rank
     rec["step"] = step
     sync(cfg, step, run, rec, before_update=True)
     if run.role.trains:
@@ -235,19 +245,20 @@ def rl_step(cfg, step, run):
 
 
 def collect(cfg, step, run):
-    """Stages 1-3 with DAPO's dynamic sampling: draw prompts, generate G completions each, score them, and keep
-    the groups whose rewards have spread. Refill with fresh prompts up to `refill_tries` more times; when the
-    tries run out the batch is trained short (never padded with zero-advantage groups). Every collecting rank
-    draws the same prompts and takes its slice, and observes the whole batch, so the samplers stay identical.
-    Returns (kept groups, the figures of stages 1-3)."""
+    """Stages 1-3 with DAPO's dynamic sampling: draw prompts, generate G completions each, score
+    them, and keep the groups whose rewards have spread. Refill with fresh prompts up to
+    `refill_tries` more times; when the tries run out the batch trains short (never padded with
+    zero-advantage groups). Every collecting rank draws the same prompts and takes its slice, and
+    observes the whole batch, so the samplers stay identical. -> (kept groups, their figures)."""
     me, n, group, G = run.role.me, run.role.n, run.role.group, cfg.group_size
     n_local = max(1, cfg.prompts_per_step // n)
     t_start = time.perf_counter()
-    kept, results, rec = [], [], {"gen_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0, "tries": 0}
+    kept, results, rec = [], [], {"gen_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "tries": 0}
     lens, finish_length, rewards_all, zone, zero_adv, alphas = [], 0, [], [], 0, []
-    n_draw, drawn, signals = n_local, 0, 0  # prompts per rank this try; drawn and with-spread so far, all ranks
+    n_draw, drawn, signals = n_local, 0, 0  # per rank this try; drawn, with spread: all ranks
     for t in range(1 + (cfg.refill_tries if cfg.dynamic_sampling else 0)):
-        batch = run.sampler.next_batch(n_draw * n, refill=t > 0)[me * n_draw:(me + 1) * n_draw]  # stage 1
+        batch = run.sampler.next_batch(n_draw * n, refill=t > 0)  # stage 1: every rank the same...
+        batch = batch[me * n_draw:(me + 1) * n_draw]  # ...and each takes its slice
         zone.append(run.sampler.stats().get("zone", float("nan")))
         t0, seed = time.perf_counter(), rollout_seed(cfg.seed, step, t, me)
         prompt_ids = [run.train_ids[i] for i, _ in batch]
@@ -257,25 +268,27 @@ def collect(cfg, step, run):
             rec.update(compare_dense(cfg, run, ro, prompt_ids, seed))
         for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense"):
             rec[k] = rec.get(k, 0) + ro.timings[k]
-        if run.measure:  # every generated row, before dynamic sampling drops any: a collapse shows here
+        if run.measure:  # every row, before dynamic sampling drops any: a collapse shows here
             t0 = time.perf_counter()
-            a = dense_alpha(run.replica or run.model, prompt_ids, ro, cfg.temperature, cfg.micro_batch)
+            a = dense_alpha(run.replica or run.model, prompt_ids, ro, cfg.temperature,
+                            cfg.micro_batch)
             alphas.append((a[ro.mask], ro.budget_dense[ro.mask].long()))
             rec["alpha_s"] = rec.get("alpha_s", 0.0) + time.perf_counter() - t0
-        res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts, group_size=G,
-                                      finish=ro.finish)  # stage 3: a row cut at max_new_tokens scores 0
+        res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts,
+                                      group_size=G, finish=ro.finish)  # stage 3: cut rows score 0
         results.append(res)
         r = torch.tensor(res.rewards, dtype=torch.float32)
         if cfg.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifier's reward
-            r += torch.tensor(overlong_penalty(ro.mask.sum(1).tolist(), cfg.max_new_tokens, cfg.overlong_buffer,
-                                               cfg.overlong_penalty))
+            r += torch.tensor(overlong_penalty(ro.mask.sum(1).tolist(), cfg.max_new_tokens,
+                                               cfg.overlong_buffer, cfg.overlong_penalty))
         r = r.view(-1, G)
         rewards_all.append(r.flatten())
         lens.append(ro.mask.sum(1).float())
         finish_length += sum(f == "length" for f in ro.finish)
         has = [group_has_signal(g, cfg.min_spread) for g in r.tolist()]  # this rank's groups
         everyone = parallel.gather(([i for i, _ in batch], r.tolist(), has), n, group)
-        run.sampler.observe([i for idx, _, _ in everyone for i in idx], [g for _, rs, _ in everyone for g in rs])
+        run.sampler.observe([i for idx, _, _ in everyone for i in idx],
+                            [g for _, rs, _ in everyone for g in rs])
         drawn += sum(len(h) for *_, h in everyone)
         signals += sum(sum(h) for *_, h in everyone)
         for g, signal in enumerate(has):
@@ -287,96 +300,87 @@ def collect(cfg, step, run):
                              torch.tensor([f == "length" for f in ro.finish[rows]])))
         rec["tries"] = t + 1
         n_kept = parallel.gather(len(kept), n, group)
-        if min(n_kept) >= n_local:  # the decision to refill is global: every rank runs the same collectives
+        if min(n_kept) >= n_local:  # a global decision: every rank runs the same collectives
             break
-        n_draw = refill_size(n_local, min(n_kept), drawn, signals)  # what is missing, over the keep rate
+        n_draw = refill_size(n_local, min(n_kept), drawn, signals)  # missing / the keep rate
     rew = torch.cat(rewards_all)
-    rec["kv_read"] = rec["pages_read"] / max(1, rec["pages_dense"])  # fraction of the KV pages decode read
+    rec["kv_read"] = rec["pages_read"] / max(1, rec["pages_dense"])  # KV pages decode read
     rec.update(reward=rew.mean().item(), groups_kept=sum(n_kept), groups=n_local * n,
                short=int(sum(n_kept) < n_local * n), len_mean=torch.cat(lens).mean().item(),
                zero_adv_groups=sum(parallel.gather(zero_adv, n, group)), rollouts=len(rew) * n,
-               finish_length=finish_length / len(rew), zone=sum(zone) / len(zone), **combine(results).summary(),
-               collect_s=time.perf_counter() - t_start)
-    if run.measure:
-        observe_alpha(cfg, run, [torch.cat(x) for x in zip(*alphas)], rec)
+               finish_length=finish_length / len(rew), zone=sum(zone) / len(zone),
+               **combine(results).summary(), collect_s=time.perf_counter() - t_start)
+    if run.measure:  # Sparrow's tail over every rank's tokens; the controller moves the table
+        mine = [torch.cat(x) for x in zip(*alphas)]
+        a, pages = (torch.cat(x) for x in zip(*parallel.gather(mine, n, group)))
+        rec.update(observe(a, pages, cfg.kv_bin_pages, run.schedule, run.controller))
     return kept, rec
 
 
 def rollout_seed(seed, step, try_, rank):
-    """A distinct generator seed for every (run seed, step, refill try, rank): a 63-bit hash of the four."""
+    """A distinct generator seed for every (run seed, step, refill try, rank): a 63-bit hash."""
     return hash((seed, step, try_, rank)) & (2**63 - 1)  # ints hash the same in every process
 
 
 def compare_dense(cfg, run, ro, prompt_ids, seed):
-    """The same prompts again on a dense engine (same weights, same seed), timed: the sparse budget's rollout
-    speedup, measured in the run itself, in tokens per second (prefill included), since the two rollouts may
-    differ in length. The dense rollout is thrown away."""
+    """The same prompts again on a dense engine (same weights, same seed), timed: the sparse
+    budget's rollout speedup, measured in the run itself, in tokens per second (prefill included),
+    since the two rollouts may differ in length. The dense rollout is thrown away."""
     de, sp = run.dense_engine.generate(prompt_ids, cfg.group_size, seed=seed).timings, ro.timings
-    rate = {k: t["new_tokens"] / max(1e-9, t["prefill_s"] + t["decode_s"]) for k, t in (("dense", de), ("sparse", sp))}
+    rate = {k: t["new_tokens"] / max(1e-9, t["prefill_s"] + t["decode_s"])
+            for k, t in (("dense", de), ("sparse", sp))}
     return {"dense_tok_s": rate["dense"], "sparse_tok_s": rate["sparse"],
             "rollout_speedup": rate["sparse"] / rate["dense"]}
 
 
 def learn(cfg, run, kept):
-    """Stage 4 on the kept groups: the optimizer passes (update.train_on), then DistillSparse's adapter step and
-    the schedule's per-bin tail, and the figures for the log. Every trainer calls it, kept groups or not."""
+    """Stage 4 on the kept groups: the optimizer passes (update.train_on), DistillSparse's adapter
+    step, and the figures for the log. Every trainer calls it, kept groups or not (collectives)."""
     n, group = run.role.n, run.role.group
     t0, rec = time.perf_counter(), {}
-    drop = torch.cat([k[6] for k in kept]) if kept and cfg.overlong_filter else None  # truncated rows
-    ids, tmask, adv, roll = batch_from_groups(kept, run.train_ids, cfg.group_size, run.engine.pad_id, cfg.adv_eps,
+    drop = torch.cat([k[6] for k in kept]) if kept and cfg.overlong_filter else None  # cut rows
+    ids, tmask, adv, roll = batch_from_groups(kept, run.train_ids, cfg.group_size,
+                                              run.engine.pad_id, cfg.adv_eps,
                                               run.model.lm_head.weight.device, cfg.adv_norm, drop)
     out = train_on(cfg, run.model, run.opt, ids, tmask, adv, n, roll, group, run.ref_model,
                    dense_dist=run.distill is not None)
     stats = out.pop("stats")  # loss sum, tokens, clipped, skipped, grad norm
     dense_full = out.pop("_dense_full", None)
-    if run.distill is not None and kept and dense_full is not None:  # the rollout-only adapter, toward dense
-        pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low, cfg.clip_high)[0]
-        rec.update(run.distill.step_on(kept, [len(run.train_ids[k[0]]) for k in kept], cfg.group_size, ids, tmask,
-                                       dense_full, pg))
+    if run.distill is not None and kept and dense_full is not None:  # rollout-only, toward dense
+        pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low,
+                                      cfg.clip_high)[0]
+        rec.update(run.distill.step_on(kept, [len(run.train_ids[k[0]]) for k in kept],
+                                       cfg.group_size, ids, tmask, dense_full, pg))
     rec.update(out)
     if n > 1:
         torch.distributed.all_reduce(stats, group=group)
-    rec.update(loss=(stats[0] / stats[1].clamp(min=1)).item(), tokens=int(stats[1]),
-               clipfrac=(stats[2] / stats[1].clamp(min=1)).item(), skipped_nonfinite=int(stats[3]) // n,
-               grad_norm=stats[4].item() / n, lr=run.opt.param_groups[0]["lr"], train_s=time.perf_counter() - t0)
+    tokens = stats[1].clamp(min=1)
+    rec.update(loss=(stats[0] / tokens).item(), tokens=int(stats[1]),
+               clipfrac=(stats[2] / tokens).item(), skipped_nonfinite=int(stats[3]) // n,
+               grad_norm=stats[4].item() / n, lr=run.opt.param_groups[0]["lr"],
+               train_s=time.perf_counter() - t0)
     return rec
 
 
-def observe_alpha(cfg, run, alpha_pages, rec):
-    """Sparrow's statistic over every collecting rank's generated tokens: per-position alpha, its mean and
-    p5 overall and per bin of cached pages (kv_bin_pages), into the record. The controller (if on) moves
-    the table toward the smallest budgets whose p5 holds the target; every rank sees the same numbers and
-    so keeps the same table."""
-    a, pages = (torch.cat(x) for x in zip(*parallel.gather(alpha_pages, run.role.n, run.role.group)))
-    if a.numel() == 0:
-        return
-    rec.update(alpha_mean=a.mean().item(), alpha_p5=a.quantile(0.05).item())
-    st = bin_stats(a[None], torch.ones(1, a.numel(), dtype=torch.bool), pages[None], cfg.kv_bin_pages)
-    rec["alpha_bins"] = {"count": st["count"].tolist(), "mean": st["mean"].tolist(), "p5": st["p5"].tolist()}
-    if run.controller is not None:
-        rec["kv_moved"] = run.controller.observe(st["p5"], st["count"])
-    if run.schedule is not None:
-        rec["kv_table"] = list(run.schedule.table)
-
-
 def sync(cfg, step, run, rec, before_update):
-    """Stage 5. Colocated, after the update: the rollout copy follows the policy in place. Disaggregated:
-    trainer 0 ships the weights' delta to the rollout ranks, after every update with max_staleness 0; with 1,
-    before the update (the weights after step - 1, so the next batch is generated while this one trains) and
-    once more after the last step, so every rank ends on the same weights."""
+    """Stage 5. Colocated, after the update: the rollout copy follows the policy in place.
+    Disaggregated: trainer 0 ships the weights' delta to the rollout ranks, after every update with
+    max_staleness 0; with 1, before the update (the weights after step - 1, so the next batch is
+    generated while this one trains) and once more after the last step, so all ranks end equal."""
     if not run.role.split:
         if not before_update:
-            parallel.pull_full(run.replica, run.model)  # FSDP: gather the shards into the engines' replica
+            parallel.pull_full(run.replica, run.model)  # FSDP: the shards into the engines' replica
             refresh_rollout(cfg, run)
         return
     stale = cfg.max_staleness == 1
-    due = (stale and step >= 1) if before_update else (not stale or step == cfg.steps - 1)
-    if due and parallel.ship(run.sender, run.receiver, run.role, step if before_update else step + 1, rec):
+    due = (stale and step >= 1) if before_update else (not stale or step == last_step(cfg))
+    version = step if before_update else step + 1
+    if due and parallel.ship(run.sender, run.receiver, run.role, version, rec):
         refresh_rollout(cfg, run)
 
 
 def refresh_rollout(cfg, run):
-    """Re-derive what generates from the policy's new weights (a no-op when the policy itself generates)."""
+    """Re-derive what generates from the policy's new weights (nothing if the policy generates)."""
     full = run.replica or run.model
     if run.distill is not None:  # DistillSparse: new base weights under the kept adapter
         run.distill.refresh(full)
@@ -386,8 +390,8 @@ def refresh_rollout(cfg, run):
 
 @torch.no_grad()
 def evaluate(cfg, run):
-    """Greedy accuracy on the held-out set, scored by the same cascade; each trainer takes a slice, counts are
-    summed."""
+    """Greedy accuracy on the held-out set, scored by the same cascade; each trainer takes a slice,
+    the counts are summed."""
     me, n = run.role.me, run.role.n
     mine = list(range(me, len(run.eval_p), n))
     correct = 0.0
@@ -397,72 +401,10 @@ def evaluate(cfg, run):
         res = run.cascade.score_batch([run.eval_p[i] for i in chunk], ro.texts, finish=ro.finish)
         correct += sum(res.rewards)
     if n > 1:
-        t = torch.tensor([correct], dtype=torch.float64, device=run.greedy.model.lm_head.weight.device)
+        t = torch.tensor([correct], dtype=torch.float64, device=run.dev)
         torch.distributed.all_reduce(t, group=run.role.group)
         correct = t.item()
     return correct / len(run.eval_p)
-
-
-# ----------------------------------------------------------------------------- the log
-
-
-def fmt(rec):
-    """The step's log lines, stage by stage, each within a terminal's width (the README explains every label;
-    metrics.jsonl has every figure): stages 1-3, then the mismatch and the update, then what only some runs
-    have."""
-    g = lambda k, f: f.format(rec[k]) if rec.get(k) is not None else ""
-    collect = (g("groups_kept", "kept {}") + g("groups", "/{}") + g("tries", " in {} tries")
-               + (" SHORT" if rec.get("short") else ""),
-               g("gen_s", "rollout {:.2f}s") + g("len_mean", " len {:.0f}") + g("kv_read", " kv {:.2f}"),
-               g("reward", "reward {:.3f}") + g("reach_verify", " verify {:.2f}"))
-    learn = (g("alpha_p5", "p5 alpha {:.3f}"), g("loss", "loss {:+.4f}") + g("grad_norm", " gn {:.2f}")
-             + g("train_s", " {:.1f}s"), g("acc", "acc {:.3f}"))
-    extra = (g("rollout_speedup", "rollout vs dense {:.2f}x"), g("kv_table", "kv table {}"),
-             f"p5 alpha per bin {[round(x, 2) for x in rec['alpha_bins']['p5']]}" if "alpha_bins" in rec else "",
-             g("distill_kl", "distill kl {:.4f}"), g("errors", "reward errors {}") if rec.get("errors") else "",
-             g("timeouts", "reward timeouts {}") if rec.get("timeouts") else "",
-             g("truncated", "truncated {}") if rec.get("truncated") else "",
-             g("skipped_nonfinite", "NONFINITE steps skipped {}") if rec.get("skipped_nonfinite") else "",
-             f"sync {rec['sync_bytes'] / 1e3:.1f} kB ({rec['sync_ratio']:.3f} of full)" if "sync_bytes" in rec else "")
-    lines = [" | ".join(p for p in part if p) for part in (collect, learn, extra)]
-    return f"step {rec['step']:4d}  " + "\n           ".join(line for line in lines if line)
-
-
-def summarize(cfg, history, seconds, log):
-    """The summary table at the end of a run, and the plot."""
-    recs = history["records"]
-    if not recs:
-        return
-    accs, n, tenth = [r["acc"] for r in recs if "acc" in r], len(recs), max(1, len(recs) // 10)
-    mean = lambda k: sum(r.get(k, 0.0) for r in recs) / n
-    total = lambda k: sum(r.get(k, 0) for r in recs)
-    rows = [("steps", f"{n}"), ("held-out accuracy before RL", f"{history['acc0']}"),
-            ("held-out accuracy after RL", f"{accs[-1] if accs else 'n/a'}"),
-            ("reward, first 10% of steps", f"{sum(r['reward'] for r in recs[:tenth]) / tenth:.3f}"),
-            ("reward, last 10% of steps", f"{sum(r['reward'] for r in recs[-tenth:]) / tenth:.3f}"),
-            ("groups kept / step", f"{mean('groups_kept'):.1f} of {recs[0]['groups']}"),
-            ("steps trained short", f"{total('short')}"),
-            ("reward calls that errored / timed out", f"{total('errors')} / {total('timeouts')}"),
-            ("rollout time / step", f"{mean('gen_s'):.2f}s"), ("train time / step", f"{mean('train_s'):.2f}s"),
-            ("non-finite steps skipped", f"{total('skipped_nonfinite')}"), ("RL wall time", f"{seconds:.0f}s")]
-    w = max(len(k) for k, _ in rows)
-    log("\n".join(["", "summary", "-" * (w + 12)] + [f"{k:<{w}}  {v}" for k, v in rows]))
-    if cfg.plot:
-        plot(cfg, history)
-
-
-def plot(cfg, history):
-    recs = history["records"]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax[0].plot([r["step"] for r in recs], [r["reward"] for r in recs], lw=1)
-    ax[0].set(xlabel="step", ylabel="mean reward", title="training reward")
-    pts = [(0, history["acc0"])] if history["acc0"] is not None else []
-    pts += [(r["step"] + 1, r["acc"]) for r in recs if "acc" in r]
-    ax[1].plot(*zip(*pts), marker="o")
-    ax[1].set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy", ylim=(0, 1))
-    fig.tight_layout()
-    fig.savefig(os.path.join(cfg.out_dir, "run.png"), dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import config
+import report
 import train
 import update
 from prompts import GrowthZoneSampler
@@ -89,7 +90,7 @@ def test_log_lines_fit_a_terminal_and_no_bars_go_to_a_file(tmp_path):
     rec = {"step": 12, "groups_kept": 14, "groups": 16, "tries": 3, "short": 1, "gen_s": 12.5, "len_mean": 1034.2,
            "kv_read": 0.35, "reward": 0.858, "reach_verify": 0.25, "alpha_p5": 0.912, "loss": -0.0123,
            "grad_norm": 10.92, "train_s": 11.8, "acc": 0.925, "rollout_speedup": 1.52, "errors": 2}
-    assert all(len(line) <= 100 for line in train.fmt(rec).splitlines())
+    assert all(len(line) <= 100 for line in report.step_lines(rec).splitlines())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "train.py", *TINY_RUN, "--steps=2", f"--out_dir={tmp_path}"], cwd=ROOT,
                        capture_output=True, text=True, env=env, timeout=300)
