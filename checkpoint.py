@@ -55,15 +55,15 @@ def save_atomic(path, write):
     shutil.rmtree(f"{path}.old", ignore_errors=True)
 
 
-def save_checkpoint(cfg, model, tok, opt, sampler, step, history, extra):
+def save_checkpoint(cfg, model, tok, opt, sampler, step, history, extra, base=None):
     """out_dir/ckpt. `extra` maps a name to an object with state_dict() (or None): the run's other
-    state."""
+    state. `base`: the model a LoRA adapter sits on (default cfg.model, or out_dir/warmstart)."""
     state = {"step": step, "opt": None if cfg.fsdp else opt.state_dict(),
              "sampler": sampler.state_dict(), "history": history,
              **{k: None if v is None else v.state_dict() for k, v in extra.items()},
              "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}
 
-    base = cfg.model or os.path.join(cfg.out_dir, "warmstart")  # the weights the adapter sits on
+    base = base or cfg.model or os.path.join(cfg.out_dir, "warmstart")  # what the adapter sits on
     if os.path.isdir(base) or not cfg.model:  # a folder: absolute, so PEFT finds it from anywhere
         base = os.path.abspath(base)
 

@@ -4,10 +4,11 @@ config.py: every setting of a run, in one place.
     python train.py                                  # configs/tiny.py, the embedded default
     python train.py configs/gsm8k_qwen3.py --lr=2e-6 # a config file, then command-line overrides
 
-`Config` holds every key with its default (defaults for a real model on one GPU). A config file is Python: a
-short list of commented assignments of Config's fields; `configs/tiny.py` applies whenever no config file is
-given. Command-line overrides are --key=value, parsed as Python literals. Unknown keys (with a suggestion) and
-wrong types are errors that name the key. train.py writes the config a run used to out_dir/config.json.
+`Config` holds every key with its default (defaults for a real model on one GPU). A config file is
+Python: a short list of commented assignments of Config's fields; `configs/tiny.py` applies whenever
+no config file is given. Command-line overrides are --key=value, parsed as Python literals. Unknown
+keys (with a suggestion) and wrong types are errors that name the key. train.py writes the config a
+run used to out_dir/config.json.
 """
 
 import ast
@@ -21,14 +22,15 @@ from dataclasses import dataclass
 
 @dataclass
 class Config:
-    """Every setting, with defaults for a real model on one GPU. configs/tiny.py overrides them for the embedded
-    default, and applies whenever no config file is given."""
+    """Every setting, with defaults for a real model on one GPU. configs/tiny.py overrides them for
+    the embedded default, and applies whenever no config file is given."""
     # run
     out_dir: str = "out/run"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16: the policy's weights (and optimizer state)
-    autocast: str = "none"  # none | bfloat16: compute dtype of rollouts and training forwards on CUDA
+    # none | bfloat16: compute dtype of rollouts and training forwards on CUDA
+    autocast: str = "none"
     resume: bool = False  # continue from out_dir/ckpt
     threads: int = 0  # torch CPU threads; 0 = torch's default
     # model: a hub name or a local HF folder; empty = the tiny model below, warm-started by SFT
@@ -40,19 +42,27 @@ class Config:
     n_kv_head: int = 2
     ffn: int = 384
     # data
-    task: str = "synthetic"  # synthetic | gsm8k | math | code (MBPP, rewarded by unit tests in the sandbox)
-    data: str = ""  # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
+    # synthetic | gsm8k | math | code (MBPP, rewarded by unit tests in the sandbox)
+    task: str = "synthetic"
+    # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
+    data: str = ""
     difficulty: tuple = (2, 8)  # synthetic task: range of chain lengths
     order: str = "defined"  # synthetic task: defined | shuffled (see tasks.make_synthetic)
-    n_train: int = 0  # problems in the training pool (0 = every row of a dataset; synthetic needs a number)
+    # problems in the training pool (0 = every row of a dataset; synthetic needs a number)
+    n_train: int = 0
     n_eval: int = 500  # held-out problems
+    eval_difficulty: tuple = ()  # synthetic held-out range of chain lengths (empty: difficulty)
+    eval_sampled: bool = False  # also score the start's pass@1 and pass@group_size, sampled
     # warm start (the tiny model only)
     sft_steps: int = 600
     sft_batch: int = 16
     sft_lr: float = 1e-3
-    sft_noise: float = 0.0  # fraction of teacher traces that end with the wrong convention (warmstart.py)
-    sft_difficulty: tuple = ()  # synthetic warm start: range of chain lengths for SFT (empty: difficulty)
-    sft_init: str = ""  # synthetic warm start: SFT from a checkpoint, or from a config file's own warm start, not scratch
+    # fraction of teacher traces that end with the wrong convention (warmstart.py)
+    sft_noise: float = 0.0
+    # synthetic warm start: range of chain lengths for SFT (empty: difficulty)
+    sft_difficulty: tuple = ()
+    # synthetic warm start: SFT from a checkpoint or a config file's own warm start, not scratch
+    sft_init: str = ""
     # rollout
     prompts_per_step: int = 32
     group_size: int = 8
@@ -61,18 +71,26 @@ class Config:
     top_p: float = 1.0
     stop: str = ""  # a stop string (besides EOS); empty = none
     page_size: int = 16  # KV-cache page, in tokens
-    kv_budget: str = "dense"  # dense | fraction:F | fixed:N | table:N1,N2,... | schedule:PATH | calibrate: KV pages
-    # read per decode step (schedule: a table written by calibrate.py; calibrate: calibrate.py's sweep at start)
+    # KV pages read per decode step: dense | fraction:F | fixed:N | table:N1,N2,... |
+    # schedule:PATH (a table written by calibrate.py) | calibrate (calibrate.py's sweep at start)
+    kv_budget: str = "dense"
     kv_bin_pages: int = 125  # table: bin width in pages (Sparrow: 2,000 tokens = 125 pages of 16)
-    kv_scorer: str = "centroid"  # centroid | quest | oracle (true attention mass: a yardstick, reads every key)
+    # centroid | quest | oracle (true attention mass: a yardstick, reads every key)
+    kv_scorer: str = "centroid"
     dense_layers: int = 2  # the first layers always read every page
-    kv_controller: bool = False  # table budgets: adjust the table online to hold p5 alpha per bin at kv_target
+    # table budgets: adjust the table online to hold p5 alpha per bin at kv_target
+    kv_controller: bool = False
     kv_target: float = 0.86  # Sparrow's threshold for the 5th percentile of alpha in each bin
-    alpha_topk: int = 20  # per-position alpha from top-k lists (exact for a vocabulary of <= 256 tokens)
-    kv_candidates: tuple = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # calibration: budgets swept, in pages
-    calib_prompts: int = 16  # calibration: training prompts (group_size rollouts each) per candidate
-    kv_compare_every: int = 0  # > 0: every this many steps, time a dense rollout of the same prompts (speedup)
-    distill_r: int = 0  # > 0: DistillSparse, a rollout-only LoRA of this rank trained toward the dense policy
+    # per-position alpha from top-k lists (exact for a vocabulary of <= 256 tokens)
+    alpha_topk: int = 20
+    # calibration: budgets swept, in pages
+    kv_candidates: tuple = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+    # calibration: training prompts (group_size rollouts each) per candidate
+    calib_prompts: int = 16
+    # > 0: every this many steps, time a dense rollout of the same prompts (speedup)
+    kv_compare_every: int = 0
+    # > 0: DistillSparse, a rollout-only LoRA of this rank trained toward the dense policy
+    distill_r: int = 0
     distill_lr: float = 1e-3
     distill_coef: float = 1.0  # lambda of lambda * KL(dense || sparse)
     distill_pg: bool = False  # also train the adapter with the policy loss on the sparse replay
@@ -80,20 +98,27 @@ class Config:
     sampler: str = "growth"  # growth | uniform
     zone: tuple = (0.1, 0.9)  # pass-rate bounds of the growth zone
     explore: float = 0.1  # fraction of each batch spent on the least recently seen prompts
-    dynamic_sampling: bool = True  # drop groups whose rewards are all equal and refill (False: train on every group)
-    refill_tries: int = 2  # extra draws (missing groups / keep rate each) to refill dropped groups; then train short
+    # drop groups whose rewards are all equal and refill (False: train on every group)
+    dynamic_sampling: bool = True
+    # extra draws (missing groups / keep rate each) to refill dropped groups; then train short
+    refill_tries: int = 2
     min_spread: float = 0.0  # a group is kept when max - min reward exceeds this
     # stage 3: the verifier cascade
-    math_verify: bool = True  # symbolic equivalence (math, gsm8k, synthetic) for answers no cheap rule settles
+    # symbolic equivalence (math, gsm8k, synthetic) for answers no cheap rule settles
+    math_verify: bool = True
     max_chars: int = 0  # cheap check: longer completions score 0 (0 = no limit)
     judge: str = ""  # optional "module:function" taking (prompt, completion, reference) -> float
     judge_timeout_s: float = 30.0  # a judge call past this scores 0 and is counted as a timeout
-    overlong_buffer: int = 0  # > 0: DAPO's soft overlong punishment over the last this many tokens of the limit
-    overlong_penalty: float = 1.0  # the punishment at max_new_tokens (linear from 0 at the buffer's start)
-    overlong_filter: bool = False  # DAPO's overlong filtering: completions cut at max_new_tokens leave the loss
+    # > 0: DAPO's soft overlong punishment over the last this many tokens of the limit
+    overlong_buffer: int = 0
+    # the punishment at max_new_tokens (linear from 0 at the buffer's start)
+    overlong_penalty: float = 1.0
+    # DAPO's overlong filtering: completions cut at max_new_tokens leave the loss
+    overlong_filter: bool = False
     # stage 4: the update
     steps: int = 200
-    stop_at: int = 0  # > 0: stop after this many steps, on the learning-rate schedule of `steps` (a short probe)
+    # > 0: stop after this many steps, on the learning-rate schedule of `steps` (a short probe)
+    stop_at: int = 0
     lr: float = 1e-6
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -105,27 +130,37 @@ class Config:
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0
-    kl_loss: str = "k2"  # k2 | k3 (update.pg_loss): k2's gradient is KL(policy || ref)'s, k3's KL(ref || policy)'s
-    adv_norm: str = "std"  # std | none: divide the group advantage by the group's std (GRPO), or not (Dr. GRPO)
-    max_skipped: int = 3  # stop the run after this many optimizer steps in a row skipped for NaN/inf
-    lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer instead of all weights
+    # k2 | k3 (update.pg_loss): k2's gradient is KL(policy || ref)'s, k3's KL(ref || policy)'s
+    kl_loss: str = "k2"
+    # std | none: divide the group advantage by the group's std (GRPO), or not (Dr. GRPO)
+    adv_norm: str = "std"
+    # stop the run after this many optimizer steps in a row skipped for NaN/inf
+    max_skipped: int = 3
+    # > 0: train a LoRA adapter of this rank on every linear layer instead of all weights
+    lora_r: int = 0
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    rollout_copy: str = "same"  # same | bf16 | fp8 | nm2:4 (any nN:M): the weights that generate rollouts
-    is_correction: str = "tis"  # none | tis | mis: importance weights for the rollout/trainer mismatch
+    # same | bf16 | fp8 | nm2:4 (any nN:M): the weights that generate rollouts
+    rollout_copy: str = "same"
+    # none | tis | mis: importance weights for the rollout/trainer mismatch
+    is_correction: str = "tis"
     is_cap: float = 2.0  # tis: weight = min(p_train / p_rollout, is_cap)
     mis_low: float = 0.5  # mis: tokens whose ratio leaves [mis_low, mis_high] are dropped
     mis_high: float = 2.0
     adv_eps: float = 1e-6
-    pack: str = "auto"  # auto | on | off: pack sequences without padding (flash-attn on CUDA; masked SDPA elsewhere)
+    # auto | on | off: pack sequences without padding (flash-attn on CUDA; masked SDPA elsewhere)
+    pack: str = "auto"
     # evaluation, checkpoints, logs
     eval_every: int = 25
     save_every: int = 25
     plot: bool = True
-    fsdp: bool = False  # shard weights, gradients and optimizer state (FSDP2 fully_shard); rollouts use a full replica
-    # disaggregated mode under torchrun: the last `rollout_ranks` ranks only generate, the others only train
+    # shard weights, gradients and optimizer state (FSDP2 fully_shard); rollouts use a full replica
+    fsdp: bool = False
+    # disaggregated mode under torchrun: the last `rollout_ranks` ranks only generate, the others
+    # only train
     rollout_ranks: int = 0
-    max_staleness: int = 1  # 0: rollouts wait for the newest weights; 1: they may be one version behind (TIS)
+    # 0: rollouts wait for the newest weights; 1: they may be one version behind (TIS)
+    max_staleness: int = 1
 
 
 # ----------------------------------------------------------------------------- config parsing
@@ -149,7 +184,8 @@ def _typecheck(key, value, default):
     if want is tuple and isinstance(value, int):
         value = (value, value)
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-        raise ValueError(f"config key '{key}' wants {want.__name__}, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"config key '{key}' wants {want.__name__}, "
+                         f"got {value!r} ({type(value).__name__})")
     return value
 
 
@@ -157,7 +193,8 @@ TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny
 
 
 def parse_config(argv):
-    """argv: [config_file.py] [--key=value ...] -> Config. Without a config file, configs/tiny.py applies."""
+    """argv: [config_file.py] [--key=value ...] -> Config. Without a config file, configs/tiny.py
+    applies."""
     cfg = Config()
     defaults = dataclasses.asdict(cfg)
     overrides = {}
@@ -179,32 +216,37 @@ def parse_config(argv):
     for k, v in overrides.items():
         if k not in defaults:
             near = difflib.get_close_matches(k, defaults, n=1)
-            raise ValueError(f"unknown config key '{k}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+            raise ValueError(f"unknown config key '{k}'"
+                             + (f" (did you mean '{near[0]}'?)" if near else ""))
         setattr(cfg, k, _typecheck(k, v, defaults[k]))
     check(cfg)
     return cfg
 
 
-# ----------------------------------------------------------------------------- value checks, at parse time
+# ---------------------------------------------------------------------- value checks, at parse time
 
-CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"), "autocast": ("none", "bfloat16"),
-           "task": ("synthetic", "gsm8k", "math", "code"), "order": ("defined", "shuffled"),
-           "kv_scorer": ("centroid", "quest", "oracle"), "sampler": ("growth", "uniform"),
-           "is_correction": ("none", "tis", "mis"), "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"),
-           "adv_norm": ("std", "none"), "max_staleness": (0, 1)}
-POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
-            "prompts_per_step", "max_new_tokens", "page_size", "kv_bin_pages", "calib_prompts",
-            "distill_lr", "judge_timeout_s", "alpha_topk", "grad_clip", "passes", "minibatches", "micro_batch", "lora_alpha",
-            "is_cap", "adv_eps", "eval_every", "save_every", "max_skipped")
-NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_compare_every", "distill_r", "distill_coef",
-                "refill_tries", "min_spread", "max_chars", "overlong_buffer", "overlong_penalty", "steps",
-                "warmup_steps", "weight_decay", "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise")
-UNIT = ("sft_noise", "top_p", "kv_target", "explore", "min_lr_ratio", "lora_dropout", "clip_low")  # within [0, 1]
+CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
+           "autocast": ("none", "bfloat16"), "task": ("synthetic", "gsm8k", "math", "code"),
+           "order": ("defined", "shuffled"), "kv_scorer": ("centroid", "quest", "oracle"),
+           "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
+           "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
+           "max_staleness": (0, 1)}
+POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head",
+            "n_kv_head", "ffn", "prompts_per_step", "max_new_tokens", "page_size", "kv_bin_pages",
+            "calib_prompts", "distill_lr", "judge_timeout_s", "alpha_topk", "grad_clip", "passes",
+            "minibatches", "micro_batch", "lora_alpha", "is_cap", "adv_eps", "eval_every",
+            "save_every", "max_skipped")
+NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_compare_every",
+                "distill_r", "distill_coef", "refill_tries", "min_spread", "max_chars",
+                "overlong_buffer", "overlong_penalty", "steps", "warmup_steps", "weight_decay",
+                "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise")
+UNIT = ("sft_noise", "top_p", "kv_target", "explore", "min_lr_ratio", "lora_dropout",
+        "clip_low")  # within [0, 1]
 
 
 def check(cfg):
-    """Every value that can be checked before the run starts, each error naming its key: a typo costs a second,
-    not a warm start."""
+    """Every value that can be checked before the run starts, each error naming its key: a typo
+    costs a second, not a warm start."""
     bad = lambda k, want: ValueError(f"config key '{k}' must be {want}, got {getattr(cfg, k)!r}")
     for k, options in CHOICES.items():
         if getattr(cfg, k) not in options:
@@ -221,24 +263,32 @@ def check(cfg):
     for k, lo_min in (("difficulty", 1), ("zone", 0)):
         v = getattr(cfg, k)
         if len(v) != 2 or not lo_min <= v[0] <= v[1] or (k == "zone" and not (v[0] < v[1] <= 1)):
-            raise bad(k, "a range (lo, hi) with " + ("1 <= lo <= hi" if k == "difficulty" else "0 <= lo < hi <= 1"))
-    if cfg.sft_difficulty and (len(cfg.sft_difficulty) != 2 or not 1 <= cfg.sft_difficulty[0] <= cfg.sft_difficulty[1]):
-        raise bad("sft_difficulty", "empty or a range (lo, hi) with 1 <= lo <= hi")
+            raise bad(k, "a range (lo, hi) with "
+                      + ("1 <= lo <= hi" if k == "difficulty" else "0 <= lo < hi <= 1"))
+    for k in ("sft_difficulty", "eval_difficulty"):
+        v = getattr(cfg, k)
+        if v and (len(v) != 2 or not 1 <= v[0] <= v[1]):
+            raise bad(k, "empty or a range (lo, hi) with 1 <= lo <= hi")
     if cfg.n_embd % cfg.n_head or cfg.n_head % cfg.n_kv_head:
-        raise bad("n_head", f"a divisor of n_embd ({cfg.n_embd}) and a multiple of n_kv_head ({cfg.n_kv_head})")
+        raise bad("n_head", f"a divisor of n_embd ({cfg.n_embd}) "
+                            f"and a multiple of n_kv_head ({cfg.n_kv_head})")
     if not cfg.temperature > 0:
-        raise bad("temperature", "> 0: training rollouts sample (greedy decoding is for held-out evaluation)")
+        raise bad("temperature",
+                  "> 0: training rollouts sample (greedy decoding is for held-out evaluation)")
     if cfg.group_size < 2:
-        raise bad("group_size", ">= 2 (a group-relative advantage needs two completions per prompt)")
+        raise bad("group_size",
+                  ">= 2 (a group-relative advantage needs two completions per prompt)")
     if cfg.lora_dropout >= 1 or cfg.clip_low >= 1 or cfg.mis_low >= cfg.mis_high:
         raise ValueError("config keys: want lora_dropout < 1, clip_low < 1 and mis_low < mis_high")
     if cfg.overlong_buffer >= cfg.max_new_tokens:
         raise bad("overlong_buffer", f"smaller than max_new_tokens ({cfg.max_new_tokens})")
     if not cfg.kv_candidates or min(cfg.kv_candidates) < 1:
         raise bad("kv_candidates", "page counts >= 1")
+    # nmN:M also needs 0 < N <= M, which the pattern cannot say
     if not re.fullmatch(r"same|bf16|fp8|nm|(nm)?\d+:\d+", cfg.rollout_copy) or (
-            ":" in cfg.rollout_copy and not 0 < int(cfg.rollout_copy.split(":")[0].lstrip("nm")) <= int(
-                cfg.rollout_copy.split(":")[1])):
+            ":" in cfg.rollout_copy
+            and not 0 < int(cfg.rollout_copy.split(":")[0].lstrip("nm"))
+            <= int(cfg.rollout_copy.split(":")[1])):
         raise bad("rollout_copy", "same, bf16, fp8 or nmN:M with 0 < N <= M")
     check_kv_budget(cfg)
     check_processes(cfg)
@@ -251,39 +301,44 @@ def check_kv_budget(cfg):
           "table": lambda a: all(int(x) >= 1 for x in a.split(","))}
     try:
         good = kind in ok and ok[kind](arg)
-    except ValueError:
+    except ValueError:  # float("x") or int("x") on a malformed argument
         good = False
     if not good:
-        raise ValueError(f"config key 'kv_budget' must be dense, fraction:F (0 < F <= 1), fixed:N, table:N1,N2,..., "
-                         f"schedule:PATH or calibrate, got {cfg.kv_budget!r}")
+        raise ValueError(f"config key 'kv_budget' must be dense, fraction:F (0 < F <= 1), "
+                         f"fixed:N, table:N1,N2,..., schedule:PATH or calibrate, "
+                         f"got {cfg.kv_budget!r}")
     if cfg.kv_controller and kind not in ("table", "schedule", "calibrate"):
-        raise ValueError("config key 'kv_controller' needs a table budget (kv_budget=table:N1,N2,..., "
-                         "schedule:PATH or calibrate)")
+        raise ValueError("config key 'kv_controller' needs a table budget "
+                         "(kv_budget=table:N1,N2,..., schedule:PATH or calibrate)")
     if cfg.distill_r:
-        need = [why for why, miss in (("a sparse kv_budget", kind == "dense"), ("lora_r = 0", cfg.lora_r),
+        need = [why for why, miss in (("a sparse kv_budget", kind == "dense"),
+                                      ("lora_r = 0", cfg.lora_r),
                                       ("rollout_copy = same", cfg.rollout_copy != "same"),
-                                      ("one process", int(os.environ.get("WORLD_SIZE", 1)) > 1)) if miss]
+                                      ("one process", int(os.environ.get("WORLD_SIZE", 1)) > 1))
+                if miss]
         if need:
             raise ValueError(f"config key 'distill_r' needs {', '.join(need)}")
 
 
 def check_processes(cfg):
-    """FSDP and the disaggregated mode: what they need of torchrun, and what they do not support yet."""
+    """FSDP and the disaggregated mode: what they need of torchrun, and what they do not support
+    yet."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.fsdp and (cfg.lora_r or cfg.resume or cfg.rollout_ranks or world < 2):
-        raise ValueError("config key 'fsdp' needs torchrun with at least 2 processes, and does not combine with "
-                         "lora_r, resume or rollout_ranks yet")
+        raise ValueError("config key 'fsdp' needs torchrun with at least 2 processes, and does not "
+                         "combine with lora_r, resume or rollout_ranks yet")
     if cfg.rollout_ranks and not cfg.rollout_ranks < world:
-        raise ValueError(f"config key 'rollout_ranks' must leave at least one trainer: {cfg.rollout_ranks} of "
-                         f"{world} ranks (run under torchrun with more processes)")
+        raise ValueError(f"config key 'rollout_ranks' must leave at least one trainer: "
+                         f"{cfg.rollout_ranks} of {world} ranks "
+                         "(run under torchrun with more processes)")
     if cfg.rollout_ranks and (cfg.resume or cfg.lora_r or cfg.kv_controller):
-        raise ValueError("config key 'rollout_ranks': the disaggregated mode does not support resume, lora_r or "
-                         "kv_controller yet")
+        raise ValueError("config key 'rollout_ranks': the disaggregated mode does not support "
+                         "resume, lora_r or kv_controller yet")
 
 
 def cli(main, argv):
-    """Run an entry point's main(argv): the errors a user can fix (a config key, a data file, a run that
-    diverged) print as one line, with exit code 2, instead of a traceback."""
+    """Run an entry point's main(argv): the errors a user can fix (a config key, a data file, a run
+    that diverged) print as one line, with exit code 2, instead of a traceback."""
     try:
         main(argv)
     except (ValueError, FileNotFoundError, FloatingPointError) as e:

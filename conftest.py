@@ -1,4 +1,5 @@
-# Tests run on the CPU: Triton kernels go through its interpreter, which must be chosen before triton is imported.
+# Tests run on the CPU: Triton kernels go through its interpreter, which must be chosen before
+# triton is imported.
 import os
 
 import torch

@@ -63,8 +63,8 @@ class PromptSampler:
         return order
 
     def next_batch(self, n: int, refill: bool = False) -> list[tuple[int, Problem]]:
-        """The next n (index into problems, Problem) pairs; `refill` changes nothing here (within an epoch no
-        prompt comes twice)."""
+        """The next n (index into problems, Problem) pairs; `refill` changes nothing here (within an
+        epoch no prompt comes twice)."""
         out = []
         while len(out) < n:
             if self.pos >= len(self._order):
@@ -90,7 +90,8 @@ class PromptSampler:
             raise ValueError(f"PromptSampler.load_state_dict: this state is from another sampler "
                              f"(kind={sd['kind']!r}); a run cannot switch samplers on resume")
         if sd["n_problems"] != len(self.problems):
-            raise ValueError(f"sampler state is for {sd['n_problems']} problems, this pool has {len(self.problems)}")
+            raise ValueError(f"sampler state is for {sd['n_problems']} problems, "
+                             f"this pool has {len(self.problems)}")
         self.seed, self.epoch, self.pos = int(sd["seed"]), int(sd["epoch"]), int(sd["pos"])
         self._order = self._epoch_order(self.epoch)
 
@@ -107,19 +108,22 @@ class PassRates:
     share: an estimate never freezes. A reward >= `threshold` is a pass (non-binary rewards too).
     """
 
-    def __init__(self, n: int, prior: tuple = (1.0, 1.0), decay: float = 0.8, threshold: float = 0.5):
+    def __init__(self, n: int, prior: tuple = (1.0, 1.0), decay: float = 0.8,
+                 threshold: float = 0.5):
         if len(prior) != 2 or not (prior[0] > 0 and prior[1] > 0):
             raise ValueError(f"PassRates: prior must be (a, b) with a, b > 0, got {prior!r}")
         if not 0 < decay <= 1:
             raise ValueError(f"PassRates: decay must be in (0, 1], got {decay!r}")
-        self.a, self.b, self.decay, self.threshold = float(prior[0]), float(prior[1]), float(decay), float(threshold)
+        self.a, self.b, self.decay, self.threshold = (float(prior[0]), float(prior[1]),
+                                                      float(decay), float(threshold))
         self.s, self.f = np.zeros(n), np.zeros(n)  # decayed pass and fail counts
         self.visits = np.zeros(n, dtype=np.int64)  # groups observed, never decayed
 
     def observe(self, indices: Sequence[int], groups: Sequence[np.ndarray]) -> None:
         for i, r in zip(indices, groups):  # one Python step per group, never per prompt of the pool
             if not np.isfinite(r).all():
-                raise ValueError(f"PassRates: the rewards of prompt {i} are not all finite: {r.tolist()}")
+                raise ValueError(f"PassRates: the rewards of prompt {i} are not all finite: "
+                                 f"{r.tolist()}")
             passes = float((r >= self.threshold).sum())
             self.s[i] = self.decay * self.s[i] + passes
             self.f[i] = self.decay * self.f[i] + (r.size - passes)
@@ -152,18 +156,21 @@ class GrowthZoneSampler:
     stats() describes the last batch. Every rank must observe() the whole batch, or ranks diverge.
     """
 
-    def __init__(self, problems: Sequence[Problem], seed: int, zone: tuple = (0.1, 0.9), explore: float = 0.1,
-                 prior: tuple = (1.0, 1.0), decay: float = 0.8, threshold: float = 0.5, cooldown: int = 0):
+    def __init__(self, problems: Sequence[Problem], seed: int, zone: tuple = (0.1, 0.9),
+                 explore: float = 0.1, prior: tuple = (1.0, 1.0), decay: float = 0.8,
+                 threshold: float = 0.5, cooldown: int = 0):
         if len(problems) == 0:
             raise ValueError("GrowthZoneSampler needs at least one problem")
         if len(zone) != 2 or not 0 <= zone[0] < zone[1] <= 1:
-            raise ValueError(f"GrowthZoneSampler: zone must be (lo, hi) with 0 <= lo < hi <= 1, got {zone!r}")
+            raise ValueError(f"GrowthZoneSampler: zone must be (lo, hi) with 0 <= lo < hi <= 1, "
+                             f"got {zone!r}")
         if not 0 <= explore <= 1:
             raise ValueError(f"GrowthZoneSampler: explore must be in [0, 1], got {explore!r}")
         if not isinstance(cooldown, int) or cooldown < 0:
             raise ValueError(f"GrowthZoneSampler: cooldown must be an int >= 0, got {cooldown!r}")
         self.problems, self.seed = list(problems), int(seed)
-        self.lo, self.hi, self.explore, self.cooldown = float(zone[0]), float(zone[1]), float(explore), cooldown
+        self.lo, self.hi, self.explore, self.cooldown = (float(zone[0]), float(zone[1]),
+                                                         float(explore), cooldown)
         self.rates = PassRates(len(self.problems), prior, decay, threshold)
         self.rng = np.random.default_rng(self.seed)
         self.step = 0
@@ -171,18 +178,21 @@ class GrowthZoneSampler:
         self._stats: dict = {}
 
     def next_batch(self, n: int, refill: bool = False) -> list[tuple[int, Problem]]:
-        """The next n (index into problems, Problem) pairs. A draw starts a new step; a `refill` draws more for
-        the same step, and never a prompt that the step already drew (unless the pool has run out)."""
+        """The next n (index into problems, Problem) pairs. A draw starts a new step; a `refill`
+        draws more for the same step, and never a prompt that the step already drew (unless the pool
+        has run out)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"next_batch: n must be an int >= 1, got {n!r}")
         mean, seen = self.rates.mean(), self.rates.visits > 0  # before this batch, for stats()
-        self.step += not refill  # steps, not draws: the cooldown and the in-step exclusion count steps
+        # steps, not draws: the cooldown and the in-step exclusion count steps
+        self.step += not refill
         picks, explored = [], 0
         while len(picks) < n:  # a batch larger than the pool takes it in rounds
             batch, k_explore = self._pick(min(n - len(picks), len(self.problems)))
             picks += batch.tolist()
             explored += k_explore
-        self._stats.update(self._pool_stats(mean, seen), zone=float(np.mean(self._in_zone(mean[picks]) & seen[picks])),
+        self._stats.update(self._pool_stats(mean, seen),
+                           zone=float(np.mean(self._in_zone(mean[picks]) & seen[picks])),
                            unseen=float(np.mean(~seen[picks])), explored=explored / n)
         return [(i, self.problems[i]) for i in picks]
 
@@ -193,8 +203,10 @@ class GrowthZoneSampler:
         ok = self._in_zone(theta) & (self.step - self.last_pick > self.cooldown)
         cand = np.flatnonzero(ok)
         k_zone = min(k - int(rng.binomial(k, self.explore)), cand.size)
-        zone = rng.choice(cand, size=k_zone, replace=False) if k_zone else np.empty(0, dtype=np.int64)
-        staleness = self.last_pick + rng.random(N)  # the oldest pick first; the fraction breaks ties at random
+        zone = (rng.choice(cand, size=k_zone, replace=False) if k_zone
+                else np.empty(0, dtype=np.int64))
+        # the oldest pick first; the fraction breaks ties at random
+        staleness = self.last_pick + rng.random(N)
         staleness[zone] = np.inf
         m = k - k_zone
         explore = np.argpartition(staleness, m - 1)[:m] if m else np.empty(0, dtype=np.int64)
@@ -207,7 +219,8 @@ class GrowthZoneSampler:
 
     def _pool_stats(self, mean: np.ndarray, seen: np.ndarray) -> dict:
         n_seen = max(1, int(seen.sum()))
-        return {"pool_seen": float(seen.mean()), "pool_zone": float((self._in_zone(mean) & seen).sum()) / n_seen,
+        return {"pool_seen": float(seen.mean()),
+                "pool_zone": float((self._in_zone(mean) & seen).sum()) / n_seen,
                 "pool_easy": float(((mean > self.hi) & seen).sum()) / n_seen,
                 "pool_hard": float(((mean < self.lo) & seen).sum()) / n_seen}
 
@@ -218,10 +231,12 @@ class GrowthZoneSampler:
         idx = [int(i) for i in indices]
         bad = [i for i in idx if not 0 <= i < len(self.problems)]
         if bad:
-            raise IndexError(f"observe: prompt indices {bad[:5]} outside the pool of {len(self.problems)}")
+            raise IndexError(f"observe: prompt indices {bad[:5]} outside the pool of "
+                             f"{len(self.problems)}")
         groups = [np.atleast_1d(np.asarray(r, dtype=np.float64)).reshape(-1) for r in rewards]
         self.rates.observe(idx, groups)
-        rates = np.array([float((g >= self.rates.threshold).mean()) if g.size else np.nan for g in groups])
+        rates = np.array([float((g >= self.rates.threshold).mean()) if g.size else np.nan
+                          for g in groups])
         self._stats["zone_obs"] = float(self._in_zone(rates).mean()) if len(rates) else 0.0
 
     def stats(self) -> dict:
@@ -235,18 +250,22 @@ class GrowthZoneSampler:
         r = self.rates
         arrays = {k: torch.from_numpy(v.copy()) for k, v in
                   (("s", r.s), ("f", r.f), ("visits", r.visits), ("last_pick", self.last_pick))}
-        return {"kind": "growth_zone", "n_problems": len(self.problems), "seed": self.seed, "step": self.step,
-                "rng": self.rng.bit_generator.state, "stats": dict(self._stats), **arrays}
+        return {"kind": "growth_zone", "n_problems": len(self.problems), "seed": self.seed,
+                "step": self.step, "rng": self.rng.bit_generator.state, "stats": dict(self._stats),
+                **arrays}
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("kind") != "growth_zone":
-            raise ValueError("GrowthZoneSampler.load_state_dict: this state is not from a GrowthZoneSampler "
-                             f"(kind={sd.get('kind')!r}); a run cannot switch samplers on resume")
+            raise ValueError("GrowthZoneSampler.load_state_dict: this state is not from a "
+                             f"GrowthZoneSampler (kind={sd.get('kind')!r}); a run cannot switch "
+                             "samplers on resume")
         if sd["n_problems"] != len(self.problems):
-            raise ValueError(f"sampler state is for {sd['n_problems']} problems, this pool has {len(self.problems)}")
+            raise ValueError(f"sampler state is for {sd['n_problems']} problems, "
+                             f"this pool has {len(self.problems)}")
         self.seed, self.step, self._stats = int(sd["seed"]), int(sd["step"]), dict(sd["stats"])
         self.rng.bit_generator.state = sd["rng"]
-        self.rates.s, self.rates.f = sd["s"].numpy().astype(np.float64), sd["f"].numpy().astype(np.float64)
+        self.rates.s, self.rates.f = (sd["s"].numpy().astype(np.float64),
+                                      sd["f"].numpy().astype(np.float64))
         self.rates.visits = sd["visits"].numpy().astype(np.int64)
         self.last_pick = sd["last_pick"].numpy().astype(np.int64)
 
@@ -266,20 +285,22 @@ def group_has_signal(rewards, min_spread: float = 0.0, spread: str = "range") ->
         raise ValueError(f"group_has_signal: rewards must be finite, got {r.tolist()}")
     if r.size < 2:
         return False
-    r = r - r[0]  # equal rewards become exact zeros, so their std is exactly 0, not a rounding error
+    # equal rewards become exact zeros, so their std is exactly 0, not a rounding error
+    r = r - r[0]
     return bool((r.max() - r.min() if spread == "range" else r.std()) > min_spread)
 
 
 def refill_size(n_local: int, n_kept: int, drawn: int, signals: int) -> int:
-    """Prompts per rank for the next refill try: what is still missing, scaled up by the keep rate seen so far
-    in this step (drawn groups over groups with signal), never more than a whole batch.
+    """Prompts per rank for the next refill try: what is still missing, scaled up by the keep rate
+    seen so far in this step (drawn groups over groups with signal), never more than a whole batch.
 
     16 wanted, 14 kept, 3 in 4 groups with signal so far: ceil(2 * 4 / 3) = 3 prompts, not 16."""
     return min(n_local, math.ceil((n_local - n_kept) * drawn / max(1, signals)))
 
 
 def make_sampler(cfg, problems: Sequence[Problem]):
-    """The sampler that config key `sampler` names: growth (the growth zone) or uniform (the baseline)."""
+    """The sampler that config key `sampler` names: growth (the growth zone) or uniform (the
+    baseline)."""
     if cfg.sampler == "growth":
         return GrowthZoneSampler(problems, cfg.seed, zone=cfg.zone, explore=cfg.explore)
     if cfg.sampler == "uniform":

@@ -42,8 +42,25 @@ def step_lines(rec):
     return f"step {rec['step']:4d}  " + "\n           ".join(line for line in lines if line)
 
 
-def summary(history, seconds):
-    """The table that ends a run, as text."""
+def examples(problems, n=3):
+    """Which held-out problems the run shows before and after RL: the easiest, a middle one and the
+    hardest by difficulty (the first ones when problems have no difficulty)."""
+    order = sorted(range(len(problems)), key=lambda i: problems[i].meta.get("difficulty", 0))
+    return sorted({order[0], order[len(order) // 2], order[-1]})[:n] if order else []
+
+
+def by_difficulty(scores, col):
+    """[(difficulty, pass@1, pass@k)] -> {difficulty: mean of column col}; {} if none has one."""
+    out = {}
+    for row in scores:
+        if row[0] is not None:
+            out.setdefault(row[0], []).append(row[col])
+    return {d: sum(v) / len(v) for d, v in sorted(out.items())}
+
+
+def summary(history, seconds, k=8):
+    """The table that ends a run, as text: the figures of the steps, then (synthetic task) held-out
+    accuracy per difficulty before and after RL, then the example completions before and after."""
     recs = history["records"]
     if not recs:
         return "no step ran"
@@ -61,21 +78,59 @@ def summary(history, seconds):
             ("train time / step", f"{mean('train_s'):.2f}s"),
             ("non-finite steps skipped", f"{total('skipped_nonfinite')}"),
             ("RL wall time", f"{seconds:.0f}s")]
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(["", "summary", "-" * (w + 12)] + [f"{k:<{w}}  {v}" for k, v in rows])
+    w = max(len(name) for name, _ in rows)
+    out = ["", "summary", "-" * (w + 12)] + [f"{name:<{w}}  {v}" for name, v in rows]
+    return "\n".join(out + per_difficulty(history, accs and recs[-1], k) + shown(history))
+
+
+def per_difficulty(history, last, k):
+    """Rows of held-out accuracy per difficulty: the warm start's greedy, pass@1 and pass@k at the
+    rollout temperature, and greedy after RL. Whether RL sharpened what the start could already
+    sample (after RL <= pass@k) or extended it (after RL > pass@k) reads off one row."""
+    start = history.get("start") or {}
+    after = {int(d): a for d, a in (last or {}).get("acc_by_difficulty", {}).items()}
+    if not start.get("greedy"):
+        return []
+    cols = [("start greedy", start["greedy"]), ("start pass@1", start.get("pass@1", {})),
+            (f"start pass@{k}", start.get(f"pass@{k}", {})), ("after RL", after)]
+    rows = ["", "held-out accuracy by difficulty",
+            "difficulty " + "".join(f"{name:>15}" for name, _ in cols)]
+    for d in sorted(start["greedy"], key=int):
+        rows.append(f"{d:>10} " + "".join(
+            f"{c[int(d)] if int(d) in c else c.get(str(d), float('nan')):>15.3f}" for _, c in cols))
+    return rows
+
+
+def shown(history):
+    """The example problems, with the completion before and after RL."""
+    out = []
+    for ex in history.get("examples", []):
+        out += ["", f"problem: {ex['prompt'].strip()}  (answer {ex['answer']})",
+                f"  before RL: {ex.get('before', '').strip()}",
+                f"  after RL:  {ex.get('after', '').strip()}"]
+    return out
 
 
 def plot(history, path):
-    """Training reward per step and held-out accuracy over the run, side by side, to `path`."""
+    """Training reward per step and held-out accuracy over the run (overall, and per difficulty
+    when the task has them), side by side, to `path`."""
     recs = history["records"]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
     ax[0].plot([r["step"] for r in recs], [r["reward"] for r in recs], lw=1)
     ax[0].set(xlabel="step", ylabel="mean reward", title="training reward")
+    evals = [r for r in recs if "acc" in r]
+    start = (history.get("start") or {}).get("greedy") or {}
+    for d in sorted({int(d) for r in evals for d in r.get("acc_by_difficulty", {})}):
+        pts = [(0, start[d])] if d in start else []
+        pts += [(r["step"] + 1, r["acc_by_difficulty"].get(str(d), r["acc_by_difficulty"].get(d)))
+                for r in evals]
+        ax[1].plot(*zip(*pts), lw=1, label=f"d={d}")
     pts = [(0, history["acc0"])] if history["acc0"] is not None else []
-    pts += [(r["step"] + 1, r["acc"]) for r in recs if "acc" in r]
+    pts += [(r["step"] + 1, r["acc"]) for r in evals]
     if pts:
-        ax[1].plot(*zip(*pts), marker="o")
+        ax[1].plot(*zip(*pts), marker="o", color="black", label="all")
     ax[1].set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy", ylim=(0, 1))
+    ax[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -8,7 +8,7 @@ see only what the cheap ones let through:
     2 cheap   a completion cut at max_new_tokens (finish "length") scores 0, counted as truncated.
               Else an answer is extractable and non-empty (code: a ```python block that
               ast.parse accepts), at most max_chars long. A failure scores 0 and stops
-    3 exact   tasks.cheap_verdict: equal after normalize_answer, plain numbers by exact value
+    3 exact   answers.cheap_verdict: equal after normalize_answer, plain numbers by exact value
               (072 = 72, .5 = 1/2 = \\frac{1}{2}, 0.333333 != 1/3), a decimal approximation of a
               symbolic reference fails (1.41421356 for \\sqrt{2}). What it settles stops here
     4 verify  math-verify symbolic equivalence for math and gsm8k answers (\\frac{\\sqrt{2}}{2} =
@@ -70,7 +70,8 @@ from queue import Queue
 from typing import Callable, Optional, Sequence
 
 from sandbox import extract_code, run_program, run_tests
-from tasks import EXTRACTORS, Problem, cheap_verdict, extract_answer, normalize_answer  # noqa: F401
+from answers import EXTRACTORS, cheap_verdict, extract_answer, normalize_answer  # noqa: F401
+from tasks import Problem
 
 JUDGE_MAX = 1e6  # a judge score beyond +-JUDGE_MAX (or not finite) is a fault, not a reward
 

@@ -1,12 +1,9 @@
 """
-tasks.py: what the policy is asked, how its answer is read back, and how that answer compares with
-the reference. No stage of its own: every stage reads these Problems.
+tasks.py: what the policy is asked. No stage of its own: every stage reads these Problems.
 
-    from tasks import load_problems, make_synthetic, extract_answer, cheap_verdict
+    from tasks import load_problems, make_synthetic
     train, held_out = load_problems(cfg)          # the pool and the held-out set of a config
     make_synthetic(4, seed=0, difficulty=(2, 3))  # [Problem("c=4,a=7?a+c\\n", "1", ...), ...]
-    extract_answer("gsm8k", "... #### 18 - 6 = 12")  # "12"
-    cheap_verdict(".5", "1/2")                    # True: the same exact value
 
 What is here:
     Problem            a prompt, its reference answer, its task and its meta (tests, difficulty)
@@ -15,30 +12,18 @@ What is here:
     loaders            GSM8K, MATH and MBPP (code), from hub names or local .jsonl/.json/.parquet
                        files; malformed rows (not UTF-8, not JSON, not an object, a field missing)
                        are skipped with one warning that counts them and names the file and lines
-    extractors         the answer a completion gives: the final value after "####" (GSM8K), the
-                       last \\boxed{} (MATH), the one digit after the last "#" (synthetic)
-    comparison         normalize_answer and cheap_verdict, the reward's stage 3: plain numbers by
-                       exact value; a decimal approximation never matches a symbolic reference
-    load_problems / encode_pool   a config's pool and held-out set, and their token ids
+    load_problems / encode_pool   a config's pool and held-out set (synthetic: disjoint from the
+                       pool and the warm start's SFT data by prompt), and their token ids
+How an answer is read back and compared with the reference is answers.py's.
 
 Simplifications:
     1. A dataset without its own test split (a local file) holds out its last n_eval rows.
     2. Prompts longer than the context (minus max_new_tokens) are dropped and counted.
     3. The synthetic task's tokenizer is one token per character; the real models bring their own.
-    4. A GSM8K answer needs its "####": on that line the number after the last "=", else the last
-       number ("#### 3 or 4" reads 4). There is no fallback to the last number of the text
-       (last_number stays, as a helper that gives no credit).
-    5. A synthetic answer is the one digit after the last "#" (spaces between allowed), and only
-       whitespace may follow it: "#9>", "#3 or 4" and "#09" give no answer.
-    6. Local .jsonl/.json files are read here, line by line (a .json file may also be one array of
+    4. Local .jsonl/.json files are read here, line by line (a .json file may also be one array of
        objects); hub names and .parquet files go through `datasets`.
-    7. Plain numbers (integers, decimals such as ".5", a/b, \\frac{a}{b}) compare by exact value,
-       so 0.333333 is not 1/3; an answer with a decimal and nothing symbolic never equals a
-       reference with \\sqrt, \\pi, a log, a trig function, e^ or a fraction whose decimals never
-       end. What neither settles is left to a verifier (the reward's math-verify).
 
-`python -m pytest -q tests/test_prompts.py tests/test_reward.py tests/test_data.py` checks the
-loaders, the extractors and the comparison.
+`python -m pytest -q tests/test_prompts.py tests/test_data.py` checks the task and the loaders.
 """
 from __future__ import annotations
 
@@ -46,14 +31,14 @@ import itertools
 import json
 import os
 import random
-import re
 import string
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import (TYPE_CHECKING, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence,
+from typing import (TYPE_CHECKING, Iterable, Iterator, NamedTuple, Optional, Sequence,
                     Union)
+
+from answers import extract_boxed, extract_hash_answer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -390,12 +375,23 @@ def load_mbpp(source: str = "google-research-datasets/mbpp", split: str = "train
 # ---------------------------------------------------------------------------------------------
 # A config's problems and their token ids.
 
+def sft_problems(cfg) -> list[Problem]:
+    """The synthetic warm start's SFT data (its prompts; the teacher writes the traces)."""
+    return make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000,
+                          cfg.sft_difficulty or cfg.difficulty, cfg.order)
+
+
 def load_problems(cfg) -> tuple[list[Problem], list[Problem]]:
     """-> (training pool, held-out problems) for config keys task, data, n_train, n_eval,
-    difficulty, order."""
+    difficulty, eval_difficulty, order. Synthetic held-out problems share no prompt with the pool
+    or, for the embedded warm start, with its SFT data: held out means never trained on."""
     if cfg.task == "synthetic":
-        return (make_synthetic(cfg.n_train or 20_000, cfg.seed, cfg.difficulty, cfg.order),
-                make_synthetic(cfg.n_eval, cfg.seed + 10_000, cfg.difficulty, cfg.order))
+        pool = make_synthetic(cfg.n_train or 20_000, cfg.seed, cfg.difficulty, cfg.order)
+        seen = {p.prompt for p in pool + ([] if cfg.model else sft_problems(cfg))}
+        fresh = [p for p in make_synthetic(2 * cfg.n_eval + 100, cfg.seed + 10_000,
+                                           cfg.eval_difficulty or cfg.difficulty, cfg.order)
+                 if p.prompt not in seen]  # twice as many drawn: short chains repeat often
+        return pool, fresh[:cfg.n_eval]
     loader = {"gsm8k": load_gsm8k, "math": load_math, "code": load_mbpp}.get(cfg.task)
     if loader is None:
         raise ValueError(f"config key 'task' must be synthetic, gsm8k, math or code, "
@@ -425,224 +421,3 @@ def encode_pool(tok, problems: Sequence[Problem], cfg, ctx: int,
         raise ValueError("no prompt fits in the context; lower max_new_tokens or use a "
                          "longer-context model")
     return keep, ids
-
-
-# ---------------------------------------------------------------------------------------------
-# Answer extractors: what a completion answers (the reward's cascade compares it with the gold).
-
-# A number in running text: a sign (not the minus of "18-6"), then a simple fraction "1/2",
-# thousands groups "1,234,567" (never "12,13"), digits, a decimal "2.5" or ".5".
-_NUMBER = re.compile(r"(?:(?<![\w.)\]}])-)?(?:\d+/\d+(?![\d.,]\d)"
-                     r"|(?:\d{1,3}(?:,\d{3})+(?!\d|,\d)|\d+)(?:\.\d+)?|\.\d+)")
-_BOX_SCAN = re.compile(r"\\(?:boxed|fbox)|\\[\s\S]|[{}]")
-_BARE_BOX = re.compile(r" +([^\s$]+)")
-_SYNTHETIC_ANSWER = re.compile(r"[ \t]*(\d)\s*")
-
-
-def extract_hash_answer(text: str) -> Optional[str]:
-    """The final value after the last "####" (GSM8K style): on that line, the number after the
-    last "=", else the line's last number; thousands commas dropped.
-
-    "#### 1,234." -> "1234", "#### 18 - 6 = 12" -> "12", "#### .5" -> ".5", "#### 1/2" -> "1/2",
-    "#### 12,13" -> "13" (not a thousands grouping). None when there is no "####" or nothing
-    after it. A line with no number is returned as is ("#### seven" -> "seven").
-    """
-    if not isinstance(text, str) or "####" not in text:
-        return None
-    rest = text[text.rfind("####") + 4:].strip()
-    line = rest.splitlines()[0].strip() if rest else ""
-    tail = line.rpartition("=")[2].strip()
-    found = _NUMBER.findall(tail) or _NUMBER.findall(line)
-    if found:
-        return found[-1].replace(",", "")
-    return (tail or line).rstrip(".") or None
-
-
-def last_number(text: str) -> Optional[str]:
-    """The last number anywhere in the text (commas stripped), or None. A helper: no reward
-    reads it (a number anywhere is no answer)."""
-    if not isinstance(text, str):
-        return None
-    found = _NUMBER.findall(text)
-    return found[-1].replace(",", "") if found else None
-
-
-def extract_boxed(text: str) -> Optional[str]:
-    """The content of the LAST \\boxed{...} (or \\fbox{...}) in the text, nested braces handled.
-
-    "\\boxed{\\frac{a}{b^{2}}}" -> "\\frac{a}{b^{2}}". The brace-less form "\\boxed 5" gives "5".
-    A last box that is never closed (a truncated completion) falls back to the one before it.
-    Escapes (\\{ \\} \\\\) never open or close a group. Returns None when there is no usable box.
-    One left-to-right scan with a stack of the open braces: linear in the text.
-    """
-    if not isinstance(text, str):
-        return None
-    best, stack = None, []  # best: (start, content start, content end) of the last box begun
-    box_start, open_at = -1, -1  # the last \boxed seen, and where its "{" would be
-    for m in _BOX_SCAN.finditer(text):
-        tok, at = m.group(0), m.start()
-        if tok == "{":  # a box's own "{", or a plain group (None)
-            stack.append((box_start, at + 1) if at == open_at else None)
-        elif tok == "}":
-            box = stack.pop() if stack else None
-            if box is not None and (best is None or box[0] > best[0]):
-                best = (box[0], box[1], at)
-        elif len(tok) > 2:  # \boxed or \fbox (an escape is two characters)
-            box_start, open_at = at, m.end()
-            bare = None if text.startswith("{", m.end()) else _BARE_BOX.match(text, m.end())
-            if bare and (best is None or at > best[0]):
-                best = (at, bare.start(1), bare.end(1))
-    return None if best is None else text[best[1]:best[2]].strip()
-
-
-def extract_synthetic(text: str) -> Optional[str]:
-    """The one digit after the last "#", when only whitespace follows it: "a=7>7 b=2>9 #9" -> "9".
-    "#9>", "#3 or 4", "#12" -> None."""
-    if not isinstance(text, str) or "#" not in text:
-        return None
-    m = _SYNTHETIC_ANSWER.fullmatch(text, text.rfind("#") + 1)
-    return m.group(1) if m else None
-
-
-# task -> extractor. Code has none: its cheap check and its verifier live in the cascade.
-EXTRACTORS: dict[str, Callable[[str], Optional[str]]] = {
-    "synthetic": extract_synthetic,
-    "gsm8k": extract_hash_answer,
-    "math": extract_boxed,
-}
-
-
-def extract_answer(task: str, text: str) -> Optional[str]:
-    """Dispatch to the extractor for `task`; ValueError for an unknown task."""
-    try:
-        fn = EXTRACTORS[task]
-    except KeyError:
-        raise ValueError(f"no answer extractor for task {task!r}; "
-                         f"known: {sorted(EXTRACTORS)}") from None
-    return fn(text)
-
-
-# ---------------------------------------------------------------------------------------------
-# Comparison: an extracted answer against the reference (the reward's stage 3).
-
-_THOUSANDS = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?!\d|,\d)")
-_INTEGER = re.compile(r"(-?)0*(\d+)")
-_DEC = r"(?:\d+(?:\.\d+)?|\.\d+)"
-_PLAIN = re.compile(rf"(-?)({_DEC})")
-_SLASH = re.compile(rf"(-?)({_DEC})/({_DEC})")
-_FRAC = re.compile(rf"(-?)\\[dt]?frac(?:\{{(-?{_DEC})\}}\{{(-?{_DEC})\}}|(\d)(\d))")
-_DECIMAL = re.compile(r"\d*\.\d+")
-_SYMBOLIC = re.compile(r"\\(?:sqrt|pi|log|ln|exp|sin|cos|tan|cot|sec|csc|arc|infty)|π|√"
-                       r"|(?<![a-zA-Z\\])e\^|\^\{?-?(?:\d+/|\\[dt]?frac)")
-_FRACTIONS = re.compile(r"\\[dt]?frac\{(\d{1,30})\}\{(\d{1,30})\}|\\[dt]?frac(\d)(\d)"
-                        r"|(?<![\d.])(\d{1,30})/(\d{1,30})(?![\d.])")
-
-
-def _drop_thousands_commas(s: str) -> str:
-    """Thousands commas dropped outside brackets only: "1,234" -> "1234", "(1,234)" stays."""
-    parts, depth, start = [], 0, 0
-    _ungroup = lambda t: _THOUSANDS.sub(lambda m: m.group(0).replace(",", ""), t)  # noqa: E731
-    for j, c in enumerate(s):
-        if c in "([{":
-            if depth == 0:
-                parts.append(_ungroup(s[start:j]))
-                start = j
-            depth += 1
-        elif c in ")]}" and depth:
-            depth -= 1
-            if depth == 0:
-                parts.append(s[start:j + 1])
-                start = j + 1
-    parts.append(_ungroup(s[start:]) if depth == 0 else s[start:])
-    return "".join(parts)
-
-
-def normalize_answer(s: Optional[str]) -> str:
-    """A small canonical form so that trivially different spellings compare equal.
-
-    In order: drop "\\left"/"\\right", "$" and all whitespace; remove the commas of thousands
-    groups outside brackets ("1,234,567" -> "1234567"; "12,13", "(1,234)" and "(1,2)" keep
-    theirs: a tuple is not a number); strip a trailing "."; drop a zero fractional part ("5.0",
-    "5.00" -> "5"). Values (fractions vs decimals) are cheap_verdict's, symbolic equivalence the
-    verifier's. None normalizes to "".
-    """
-    if s is None:
-        return ""
-    s = str(s).replace("\\left", "").replace("\\right", "").replace("$", "")
-    s = _drop_thousands_commas(re.sub(r"\s+", "", s))
-    s = s.rstrip(".")
-    s = re.sub(r"^(-?\d+)\.0+$", r"\1", s)
-    return s
-
-
-def _integer(s: str) -> Optional[str]:
-    """A canonical spelling of a plain integer ("-007" -> "-7", "-0" -> "0"), or None. Strings,
-    not int(): Python refuses to convert integers of more than 4,300 digits."""
-    m = _INTEGER.fullmatch(s)
-    if m is None:
-        return None
-    return m.group(2) if m.group(2) == "0" else m.group(1) + m.group(2)
-
-
-def _rational(s: str) -> Optional[Fraction]:
-    """The exact value of a plain number, normalized: "-3", "2.50", ".5", "1/2", "\\frac{1}{2}",
-    "\\dfrac{-3}{4}", "\\frac12"; None for anything else (a mixed number, an expression)."""
-    try:
-        if len(s) > 400:
-            return None
-        if (m := _PLAIN.fullmatch(s)) is not None:
-            value = Fraction(m.group(2))
-        elif (m := _SLASH.fullmatch(s)) is not None:
-            value = Fraction(m.group(2)) / Fraction(m.group(3))
-        elif (m := _FRAC.fullmatch(s)) is not None:
-            num, den = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
-            value = Fraction(num) / Fraction(den)
-        else:
-            return None
-    except (ValueError, ZeroDivisionError):
-        return None
-    return -value if m.group(1) else value
-
-
-def _symbolic(s: str) -> bool:
-    """Whether a normalized reference is an exact value a decimal can only approximate: it has a
-    root, pi, a log, a trig function, e^, a fractional power, or a fraction whose decimals never
-    end ("1\\frac{1}{3}")."""
-    if _SYMBOLIC.search(s):
-        return True
-    for m in _FRACTIONS.finditer(s):
-        a, b = [int(g) for g in m.groups() if g is not None]
-        d = Fraction(a, b).denominator if b else 1
-        while d % 2 == 0 or d % 5 == 0:
-            d //= 2 if d % 2 == 0 else 5
-        if d != 1:  # a/b has decimals that never end
-            return True
-    return False
-
-
-def cheap_verdict(pred: Optional[str], gold: Optional[str]) -> Optional[bool]:
-    """The reward's stage 3: True or False when a cheap comparison settles it, None when only a
-    verifier can.
-
-    Equal after normalize_answer: True. Both plain integers ("072" passes for "72"), or both plain
-    numbers (".5", "1/2", "\\frac{1}{2}", "0.50" are equal; "0.333333" is not "1/3"): their exact
-    values decide. A decimal approximation (a decimal and nothing symbolic: "1.41421356",
-    "\\approx 1.414") against a symbolic value (\\sqrt{2}), either way round: False. No answer or
-    no reference answer: False. Anything else (expressions, leftovers such as "9>") is None: a
-    verifier reads those, and a cheap rule could disagree.
-    """
-    p, g = normalize_answer(pred), normalize_answer(gold)
-    if not p or not g:
-        return False
-    if p == g:
-        return True
-    ip, ig = _integer(p), _integer(g)
-    if ip is not None and ig is not None:
-        return ip == ig
-    rp, rg = _rational(p), _rational(g)
-    if rp is not None and rg is not None:
-        return rp == rg
-    for a, b, rb in ((p, g, rg), (g, p, rp)):  # an approximation ("1.414", "\\approx1.414...")
-        if rb is None and _DECIMAL.search(a) and _symbolic(b) and not _symbolic(a):
-            return False
-    return None

@@ -55,13 +55,13 @@ from config import cli, parse_config
 from distill import DistillSparse
 from model import add_lora
 from prompts import group_has_signal, make_sampler, refill_size
-from report import plot, step_lines, summary
+from report import by_difficulty, examples, plot, step_lines, summary
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
 from sparsity import alpha_k, dense_alpha
 from tasks import encode_pool, load_problems
 from update import batch_from_groups, lr_at, pg_loss, train_on
-from warmstart import build_policy
+from warmstart import build_policy, cache_path
 
 @dataclass
 class Run:
@@ -167,7 +167,7 @@ def main(argv):
 def train(cfg, run, rank, log):
     """Evaluate the start (or resume), run the steps (log, metrics, checkpoints), check that the
     ranks agree."""
-    start, history = 0, {"records": [], "acc0": None}
+    start, history = 0, {"records": [], "acc0": None, "start": {}, "examples": []}
     # checkpointed with the policy: what else a resumed run must find as it was
     extra = {"schedule": run.schedule, "controller": run.controller, "distill": run.distill}
     if cfg.resume:
@@ -175,8 +175,13 @@ def train(cfg, run, rank, log):
         refresh_rollout(cfg, run)  # the copy was made from the weights before the checkpoint
         log(f"resumed from step {start}")
     elif run.role.trains:
+        picks = examples(run.eval_p)
         with run.amp:
-            history["acc0"] = evaluate(cfg, run)
+            history["acc0"], greedy, shown = evaluate(cfg, run, texts=picks)
+            pass1, pass_k = evaluate(cfg, run, k=cfg.group_size) if cfg.eval_sampled else ({}, {})
+        history["start"] = {"greedy": greedy, "pass@1": pass1, f"pass@{cfg.group_size}": pass_k}
+        history["examples"] = [{"prompt": run.eval_p[i].prompt, "answer": run.eval_p[i].answer,
+                                "before": shown[i]} for i in picks]
         log(f"held-out accuracy before RL: {history['acc0']:.3f} on {len(run.eval_p)} problems")
     if run.role.split:
         log(f"{len(run.role.trainers)} trainer and {len(run.role.rollouts)} rollout ranks, "
@@ -197,7 +202,10 @@ def train(cfg, run, rank, log):
         with run.amp:
             rec = rl_step(cfg, step, run)
             if run.role.trains and ((step + 1) % cfg.eval_every == 0 or last):
-                rec["acc"] = evaluate(cfg, run)
+                rec["acc"], rec["acc_by_difficulty"], shown = evaluate(
+                    cfg, run, texts=examples(run.eval_p) if last else ())
+                for ex, i in zip(history["examples"], examples(run.eval_p)):
+                    ex["after"] = shown.get(i, ex.get("after"))
         if not run.role.trains:  # a rollout rank: its figures are the trainers' to log
             continue
         if rec["tokens"]:  # optimizer steps skipped in a row for NaN/inf: a diverged run stops
@@ -215,10 +223,10 @@ def train(cfg, run, rank, log):
                 f"rewards. The last checkpoint is in {cfg.out_dir}/ckpt")
         if rank == 0 and ((step + 1) % cfg.save_every == 0 or last):
             save_checkpoint(cfg, run.replica or run.model, run.tok, run.opt, run.sampler, step + 1,
-                            history, extra)
+                            history, extra, base=cfg.model or cache_path(cfg))
     history["checksums"] = parallel.check_ranks_agree(run.replica or run.model, run.world, log)
     if rank == 0:
-        log(summary(history, time.perf_counter() - t_start))
+        log(summary(history, time.perf_counter() - t_start, cfg.group_size))
         if cfg.plot:
             plot(history, os.path.join(cfg.out_dir, "run.png"))
     return history
@@ -389,22 +397,30 @@ def refresh_rollout(cfg, run):
 
 
 @torch.no_grad()
-def evaluate(cfg, run):
-    """Greedy accuracy on the held-out set, scored by the same cascade; each trainer takes a slice,
-    the counts are summed."""
+def evaluate(cfg, run, k=1, texts=()):
+    """Held-out accuracy, scored by the same cascade, each trainer on a slice: greedy by default
+    -> (accuracy, {difficulty: accuracy}); with k > 1, k samples per problem at the rollout
+    temperature -> ({difficulty: pass@1}, {difficulty: pass@k}). `texts`: indices of problems whose
+    greedy completions to return too (the before/after examples)."""
     me, n = run.role.me, run.role.n
-    mine = list(range(me, len(run.eval_p), n))
-    correct = 0.0
+    mine, scores, shown = list(range(me, len(run.eval_p), n)), [], {}
+    engine = run.greedy if k == 1 else Engine(run.greedy.model, temperature=cfg.temperature,
+                                              tokenizer=run.tok, max_new_tokens=cfg.max_new_tokens,
+                                              stop=run.greedy.stop)
     for a in range(0, len(mine), 256):
         chunk = mine[a:a + 256]
-        ro = run.greedy.generate([run.eval_ids[i] for i in chunk], 1, seed=0)
-        res = run.cascade.score_batch([run.eval_p[i] for i in chunk], ro.texts, finish=ro.finish)
-        correct += sum(res.rewards)
-    if n > 1:
-        t = torch.tensor([correct], dtype=torch.float64, device=run.dev)
-        torch.distributed.all_reduce(t, group=run.role.group)
-        correct = t.item()
-    return correct / len(run.eval_p)
+        ro = engine.generate([run.eval_ids[i] for i in chunk], k, seed=0)
+        res = run.cascade.score_batch([run.eval_p[i] for i in chunk for _ in range(k)], ro.texts,
+                                      group_size=k, finish=ro.finish)
+        r = torch.tensor(res.rewards).view(-1, k)
+        scores += [(run.eval_p[i].meta.get("difficulty"), x.mean().item(), x.max().item())
+                   for i, x in zip(chunk, r)]
+        shown.update({i: ro.texts[j * k] for j, i in enumerate(chunk) if i in texts})
+    scores = [x for part in parallel.gather(scores, n, run.role.group) for x in part]
+    shown = {i: t for part in parallel.gather(shown, n, run.role.group) for i, t in part.items()}
+    if k > 1:
+        return by_difficulty(scores, 1), by_difficulty(scores, 2)
+    return sum(x[1] for x in scores) / len(scores), by_difficulty(scores, 1), shown
 
 
 if __name__ == "__main__":

@@ -1,26 +1,31 @@
 """
-update.py: stage 4, the update. Group advantages, importance weights for the rollout/trainer mismatch, the
-clipped policy-gradient loss, the log-probs it needs, and the optimizer passes over one batch.
+update.py: stage 4, the update. Group advantages, importance weights for the rollout/trainer
+mismatch, the clipped policy-gradient loss, the log-probs it needs, and the optimizer passes over
+one batch.
 
     ids, tmask, adv, roll = batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev)
-    out = train_on(cfg, model, opt, ids, tmask, adv, world=1, rollout_logp=roll)   # out["stats"], is_cut
-    python -m pytest -q tests/test_train.py -k "advantage or loss or weights or logprobs or nonfinite"
+    out = train_on(cfg, model, opt, ids, tmask, adv, world=1,
+                   rollout_logp=roll)  # out["stats"], is_cut
+    python -m pytest -q tests/test_train.py -k
+        "advantage or loss or weights or logprobs or nonfinite"
 
 The loss, per sampled token t of completion i in group g:
-    A_i      = (r_i - mean_g r) / (std_g r + eps)                    group-normalised advantage
-    ratio_t  = exp(logp_t - logp_old_t)
-    loss_t   = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i)   clip-higher (DAPO)
-               times w_t = min(p_old / p_rollout, is_cap) (TIS, the default; or MIS, or none)
-             + kl_coef * KL_t(policy || reference)                    optional, off by default (k3 estimator)
-    loss     = sum_t loss_t / (number of sampled tokens in the batch)        token-level aggregation
+    A_i     = (r_i - mean_g r) / (std_g r + eps)                 group-normalised advantage
+    ratio_t = exp(logp_t - logp_old_t)
+    loss_t  = -min(ratio_t A_i, clip(ratio_t, 1 - clip_low, 1 + clip_high) A_i)
+                                                                 clip-higher (DAPO)
+              times w_t = min(p_old / p_rollout, is_cap) (TIS, the default; or MIS, or none)
+            + kl_coef * KL_t(policy || reference)                optional, off by default
+                                                                 (k3 estimator)
+    loss    = sum_t loss_t / (number of sampled tokens in the batch)    token-level aggregation
 
 Simplifications:
-    1. logp_old is the trainer's own log-prob before the first optimizer pass, so ratio = 1 at the first
-       minibatch of the first pass; the rollout engine's log-probs drive the IS weights.
+    1. logp_old is the trainer's own log-prob before the first optimizer pass, so ratio = 1 at the
+       first minibatch of the first pass; the rollout engine's log-probs drive the IS weights.
     2. A NaN or inf gradient skips the optimizer step on every rank; the step is counted as skipped.
-    3. Data parallelism sums gradients with one all-reduce per optimizer step instead of wrapping the model in
-       DDP: with dynamic sampling, ranks keep different numbers of groups, and DDP's hooks would hang on
-       ranks that run fewer backward passes.
+    3. Data parallelism sums gradients with one all-reduce per optimizer step instead of wrapping
+       the model in DDP: with dynamic sampling, ranks keep different numbers of groups, and DDP's
+       hooks would hang on ranks that run fewer backward passes.
     4. The learning rate warms up linearly, then follows a cosine down to min_lr_ratio * lr.
 """
 
@@ -33,13 +38,13 @@ from model import flash_attn_varlen_func
 from sparsity import alpha_sample
 
 
-# ----------------------------------------------------------------------------- advantages, weights, loss
+# ------------------------------------------------------------------------ advantages, weights, loss
 
 
 def group_advantages(rewards, G, eps=1e-6, norm="std"):
-    """rewards (N,) with N = B * G, groups contiguous -> advantages (N,), keep (B,) groups with any spread.
-    norm "std" divides by the group's std (GRPO); "none" keeps the plain difference from the group mean
-    (Dr. GRPO: the std division weights nearly-solved and nearly-failed groups up)."""
+    """rewards (N,) with N = B * G, groups contiguous -> advantages (N,), keep (B,) groups with any
+    spread. norm "std" divides by the group's std (GRPO); "none" keeps the plain difference from the
+    group mean (Dr. GRPO: the std division weights nearly-solved and nearly-failed groups up)."""
     r = rewards.view(-1, G)
     std = r.std(-1, unbiased=False, keepdim=True)
     adv = r - r.mean(-1, keepdim=True)
@@ -52,12 +57,13 @@ def group_advantages(rewards, G, eps=1e-6, norm="std"):
 
 
 def is_weights(old_logp, rollout_logp, mask, mode, cap=2.0, lo=0.5, hi=2.0):
-    """Importance weights for the rollout/trainer mismatch (a sparse, low-precision or stale rollout policy):
-    ratio = p_train / p_rollout per sampled token. "tis": min(ratio, cap) (truncated IS, as in TIS/FlashRL);
-    "mis": ratio where lo <= ratio <= hi, else 0 (the token is dropped); "none": 1. Returns weights (N, T),
-    detached, and stats: the fraction truncated or masked, and the per-sample acceptance rate
-    alpha = min(1, ratio) of the sampled token (mean and 5th percentile): a diagnostic. Sparrow's
-    statistic, the one thresholds apply to, is per position (sparsity.dense_alpha)."""
+    """Importance weights for the rollout/trainer mismatch (a sparse, low-precision or stale rollout
+    policy): ratio = p_train / p_rollout per sampled token. "tis": min(ratio, cap) (truncated IS, as
+    in TIS/FlashRL); "mis": ratio where lo <= ratio <= hi, else 0 (the token is dropped); "none": 1.
+    Returns weights (N, T), detached, and stats: the fraction truncated or masked, and the
+    per-sample acceptance rate alpha = min(1, ratio) of the sampled token (mean and 5th percentile):
+    a diagnostic. Sparrow's statistic, the one thresholds apply to, is per position
+    (sparsity.dense_alpha)."""
     ratio = torch.exp((old_logp - rollout_logp).clamp(max=20.0)) * mask
     m = mask.bool()
     alpha = alpha_sample(old_logp, rollout_logp)[m]
@@ -77,14 +83,17 @@ def is_weights(old_logp, rollout_logp, mask, mode, cap=2.0, lo=0.5, hi=2.0):
     return (w * mask).detach(), stats
 
 
-def pg_loss(logp, old_logp, adv, mask, clip_low, clip_high, ref_logp=None, kl_coef=0.0, is_w=None, kl_loss="k2"):
-    """Per-token clipped surrogate. logp, old_logp, mask (N, T); adv (N,). Returns summed loss, stats.
-    `is_w` (N, T) multiplies the policy term (IS correction). The caller divides by the number of sampled
-    tokens (token-level aggregation).
+def pg_loss(logp, old_logp, adv, mask, clip_low, clip_high, ref_logp=None, kl_coef=0.0, is_w=None,
+            kl_loss="k2"):
+    """Per-token clipped surrogate. logp, old_logp, mask (N, T); adv (N,). Returns summed loss,
+    stats. `is_w` (N, T) multiplies the policy term (IS correction). The caller divides by the
+    number of sampled tokens (token-level aggregation).
     The KL term, on tokens sampled from the policy, with d = log ref - log policy:
-        k2 = d^2 / 2         its expected gradient is the gradient of KL(policy || ref), the usual penalty;
-        k3 = e^d - d - 1     an unbiased, low-variance estimate of KL(policy || ref)'s VALUE, but as a loss
-                             its expected gradient is that of KL(ref || policy), the reverse direction."""
+        k2 = d^2 / 2        its expected gradient is the gradient of KL(policy || ref), the usual
+                            penalty;
+        k3 = e^d - d - 1    an unbiased, low-variance estimate of KL(policy || ref)'s VALUE, but as
+                            a loss its expected gradient is that of KL(ref || policy), the reverse
+                            direction."""
     ratio = torch.exp(logp - old_logp)
     a = adv[:, None]
     surr = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
@@ -117,12 +126,14 @@ def build_batch(prompts, completions, masks, pad_id):
 
 def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False):
     """Log-prob of every target token: returns (B, T) with values where tmask is set (0 elsewhere).
-    `packed` concatenates the rows without padding and attends within each (flash-attn varlen on CUDA).
-    `full` also returns the whole log-softmax at the target positions, (M, V) in the order of ids[tmask]."""
+    `packed` concatenates the rows without padding and attends within each (flash-attn varlen on
+    CUDA). `full` also returns the whole log-softmax at the target positions, (M, V) in the order of
+    ids[tmask]."""
     B, T = ids.shape
     targets = torch.roll(ids, -1, 1)
     if packed:
-        lens = (tmask.flip(1).cumsum(1).flip(1) > 0).sum(1) + 1  # row length = last target position + 2
+        # row length = last target position + 2
+        lens = (tmask.flip(1).cumsum(1).flip(1) > 0).sum(1) + 1
         flat = torch.cat([ids[i, :lens[i]] for i in range(B)])[None]
         pos = torch.cat([torch.arange(int(n), device=ids.device) for n in lens])[None]
         cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
@@ -132,7 +143,8 @@ def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False)
     else:
         h = model(ids, hidden=True)  # (B, T, C)
         h_sel, tgt = h[tmask], targets[tmask]
-    logits = model.lm_head(h_sel).float() / temperature  # only the scored positions are projected onto the vocabulary
+    # only the scored positions are projected onto the vocabulary
+    logits = model.lm_head(h_sel).float() / temperature
     lsm = logits.log_softmax(-1)
     lp = lsm.gather(-1, tgt[:, None])[:, 0]
     out = torch.zeros(B, T, device=ids.device, dtype=lp.dtype)
@@ -141,22 +153,25 @@ def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False)
 
 
 def batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev, adv_norm="std", drop_rows=None):
-    """Kept groups [(prompt index, tokens (G, T), mask (G, T), rewards (G,), rollout log-probs (G, T), ...)] ->
-    ids, tmask (N, T'), advantages (N,), and the rollout policy's log-probs at the trainer's target positions
-    (N, T'), on `dev`. No groups: empty tensors, so that this rank still joins every collective of the update.
-    `drop_rows` (N,) bool: rows that keep their place in the advantages but leave the loss (DAPO's overlong
-    filtering of truncated completions)."""
+    """Kept groups [(prompt index, tokens (G, T), mask (G, T), rewards (G,), rollout log-probs
+    (G, T), ...)] -> ids, tmask (N, T'), advantages (N,), and the rollout policy's log-probs at the
+    trainer's target positions (N, T'), on `dev`. No groups: empty tensors, so that this rank still
+    joins every collective of the update. `drop_rows` (N,) bool: rows that keep their place in the
+    advantages but leave the loss (DAPO's overlong filtering of truncated completions)."""
     if not kept:
-        return (torch.zeros(0, 1, dtype=torch.long, device=dev), torch.zeros(0, 1, dtype=torch.bool, device=dev),
+        return (torch.zeros(0, 1, dtype=torch.long, device=dev),
+                torch.zeros(0, 1, dtype=torch.bool, device=dev),
                 torch.zeros(0, device=dev), torch.zeros(0, 1, device=dev))
     p_ids = [pool_ids[i] for i, *_ in kept for _ in range(G)]
-    ids, tmask = build_batch(p_ids, [row for k in kept for row in k[1]], [row for k in kept for row in k[2]],
+    ids, tmask = build_batch(p_ids, [row for k in kept for row in k[1]],
+                             [row for k in kept for row in k[2]],
                              pad_id)  # groups from different refill tries have different lengths
     adv = torch.cat([group_advantages(k[3], G, adv_eps, adv_norm)[0] for k in kept])
     roll = torch.zeros(tmask.shape)
     roll[tmask] = torch.cat([lp[m] for k in kept for lp, m in zip(k[4], k[2])])
     if drop_rows is not None:
-        tmask[drop_rows] = False  # no token of theirs is trained on; the group's mean still counts them
+        # no token of theirs is trained on; the group's mean still counts them
+        tmask[drop_rows] = False
     return ids.to(dev), tmask.to(dev), adv.to(dev), roll.to(dev)
 
 
@@ -165,13 +180,15 @@ def lr_at(cfg, step):
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    return cfg.lr * (cfg.min_lr_ratio
+                     + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def allreduce_grads(model, world, group=None):
-    """Sum gradients over ranks (data parallelism by hand). DDP's hooks would need every rank to run the same
-    number of backward passes; with dynamic sampling the ranks keep different numbers of groups, so instead
-    every rank runs its own micro-batches and joins exactly one all-reduce per optimizer step."""
+    """Sum gradients over ranks (data parallelism by hand). DDP's hooks would need every rank to run
+    the same number of backward passes; with dynamic sampling the ranks keep different numbers of
+    groups, so instead every rank runs its own micro-batches and joins exactly one all-reduce per
+    optimizer step."""
     if world == 1:
         return
     params = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter only
@@ -186,8 +203,8 @@ def allreduce_grads(model, world, group=None):
 
 
 def micro_batches(rows, size, fsdp, device):
-    """Row indices split into micro-batches. Under FSDP every rank must run as many forwards as the others (each
-    one all-gathers weights), so the short ranks get empty micro-batches."""
+    """Row indices split into micro-batches. Under FSDP every rank must run as many forwards as the
+    others (each one all-gathers weights), so the short ranks get empty micro-batches."""
     parts = list(rows.split(size)) if len(rows) else []
     if fsdp:
         n = torch.tensor([len(parts)], device=device)
@@ -198,9 +215,9 @@ def micro_batches(rows, size, fsdp, device):
 
 @torch.no_grad()
 def reference_logprobs(cfg, model, ids, tmask, packed, full=False):
-    """The no-grad log-probs of a whole batch, micro-batch by micro-batch: logp_old from the policy before its
-    first update, or the reference policy's. `full` also returns the whole log-softmax at the target positions
-    (DistillSparse trains toward it)."""
+    """The no-grad log-probs of a whole batch, micro-batch by micro-batch: logp_old from the policy
+    before its first update, or the reference policy's. `full` also returns the whole log-softmax at
+    the target positions (DistillSparse trains toward it)."""
     parts = [token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed, full)
              for r in torch.arange(ids.shape[0]).split(cfg.micro_batch)]
     if not full:
@@ -209,11 +226,12 @@ def reference_logprobs(cfg, model, ids, tmask, packed, full=False):
 
 
 def optimizer_step(cfg, model, opt, world, group, loss_ok=True):
-    """Sum the gradients over ranks, clip, and step; a NaN or inf loss or gradient norm on any rank skips the
-    step on all of them. Returns the gradient norm, or None when the step was skipped."""
+    """Sum the gradients over ranks, clip, and step; a NaN or inf loss or gradient norm on any rank
+    skips the step on all of them. Returns the gradient norm, or None when the step was skipped."""
     if not cfg.fsdp:  # FSDP reduce-scatters the gradients itself
         allreduce_grads(model, world, group)
-    gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
+    gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                        cfg.grad_clip)
     gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # a DTensor under FSDP
     bad = torch.tensor([0.0 if torch.isfinite(gn) and loss_ok else 1.0], device=gn.device)
     if world > 1:
@@ -227,19 +245,21 @@ def optimizer_step(cfg, model, opt, world, group, loss_ok=True):
 
 def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=None, ref_model=None,
              dense_dist=False):
-    """`passes` x `minibatches` optimizer steps over one batch of kept rollouts (the same count on every rank,
-    whatever its share of the batch). Token-level loss over the global minibatch. `rollout_logp` (N, T), the
-    rollout policy's log-probs at the target positions, drives the IS correction and the mismatch statistics.
-    `group` is the trainers' process group (None: every rank); `ref_model` the frozen reference (kl_coef > 0).
-    Returns {"stats": loss sum, tokens, clipped, skipped, grad norm (summed); this rank's mismatch figures;
-    "_dense_full": the dense log-softmax at the targets when `dense_dist`}."""
+    """`passes` x `minibatches` optimizer steps over one batch of kept rollouts (the same count on
+    every rank, whatever its share of the batch). Token-level loss over the global minibatch.
+    `rollout_logp` (N, T), the rollout policy's log-probs at the target positions, drives the IS
+    correction and the mismatch statistics. `group` is the trainers' process group (None: every
+    rank); `ref_model` the frozen reference (kl_coef > 0). Returns {"stats": loss sum, tokens,
+    clipped, skipped, grad norm (summed); this rank's mismatch figures; "_dense_full": the dense
+    log-softmax at the targets when `dense_dist`}."""
     stats = torch.zeros(5, device=ids.device, dtype=torch.float64)
     ntok = tmask.sum().double()
     if world > 1:
         torch.distributed.all_reduce(ntok, group=group)
     if ntok.item() == 0:  # no rank kept a group: nothing to update (decided globally)
         return {"stats": stats}
-    packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda and flash_attn_varlen_func is not None)
+    packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda
+                                  and flash_attn_varlen_func is not None)
     N = ids.shape[0]
     chunks = lambda rows: micro_batches(rows, cfg.micro_batch, cfg.fsdp, ids.device)
     # one optimizer step per batch: logp_old IS the training forward's log-prob (ratio 1), so the
@@ -249,32 +269,38 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
         old, dense_full = reference_logprobs(cfg, model, ids, tmask, packed, full=True)
     elif single:
         old = torch.zeros(ids.shape, device=ids.device)
-    else:  # logp_old: the policy before this batch's first update (every rank runs as many forwards)
+    else:  # logp_old: the policy before this batch's first update (every rank: as many forwards)
         with torch.no_grad():
             parts = chunks(torch.arange(N))
-            old = torch.cat([token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed) for r in parts]) \
-                if parts else torch.zeros(0, ids.shape[1], device=ids.device)
+            old = (torch.cat([token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed)
+                              for r in parts])
+                   if parts else torch.zeros(0, ids.shape[1], device=ids.device))
     ref = reference_logprobs(cfg, ref_model, ids, tmask, packed) if cfg.kl_coef > 0 else None
     mode = cfg.is_correction if rollout_logp is not None else "none"
     weights = lambda o, rows: is_weights(o, o if rollout_logp is None else rollout_logp[rows],
-                                         tmask[rows].float(), mode, cfg.is_cap, cfg.mis_low, cfg.mis_high)
+                                         tmask[rows].float(), mode, cfg.is_cap, cfg.mis_low,
+                                         cfg.mis_high)
     if not single:
         is_w, mis = weights(old, slice(None))
-    mb_tokens = (ntok / cfg.minibatches).clamp(min=1)  # token-level mean over the (global) minibatch
+    mb_tokens = (ntok / cfg.minibatches).clamp(min=1)  # token-level mean over the global minibatch
     model.train()  # dropout (LoRA's) only here: rollouts, logp_old and evaluation run in eval mode
     for _ in range(cfg.passes):
         for k in range(cfg.minibatches):
             opt.zero_grad(set_to_none=True)
             loss_ok = True
-            for micro in chunks(torch.arange(k, N, cfg.minibatches)):  # may be none, or empty, on this rank
+            # the micro-batches may be none, or empty, on this rank
+            for micro in chunks(torch.arange(k, N, cfg.minibatches)):
                 lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed)
                 if single:
                     old[micro] = lp.detach()
                 w = weights(old[micro], micro)[0] if single else is_w[micro]
-                loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low, cfg.clip_high,
-                                  None if ref is None else ref[micro], cfg.kl_coef, w, cfg.kl_loss)
-                (loss * (world if cfg.fsdp else 1) / mb_tokens).backward()  # FSDP averages over ranks: undo it
-                loss_ok &= bool(torch.isfinite(loss))  # an inf loss can still give a finite gradient
+                loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low,
+                                  cfg.clip_high, None if ref is None else ref[micro], cfg.kl_coef,
+                                  w, cfg.kl_loss)
+                # FSDP averages over ranks: undo it
+                (loss * (world if cfg.fsdp else 1) / mb_tokens).backward()
+                # an inf loss can still give a finite gradient
+                loss_ok &= bool(torch.isfinite(loss))
                 stats[0] += loss.item()
                 stats[2] += s["clipped"]
             gn = optimizer_step(cfg, model, opt, world, group, loss_ok)
@@ -286,10 +312,10 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
     if single:  # the mismatch figures, now that every row's logp_old is known
         _, mis = weights(old, slice(None))
     taken = cfg.passes * cfg.minibatches - stats[3]
-    stats[4] = stats[4] / taken.clamp(min=1)  # the mean gradient norm of the steps taken, not their sum
+    stats[4] = stats[4] / taken.clamp(min=1)  # the mean grad norm of the steps taken, not their sum
     stats[1] = tmask.sum() * cfg.passes
-    out = {"stats": stats, "sample_alpha_mean": mis["alpha_mean"], "sample_alpha_p5": mis["alpha_p5"],
-           "is_cut": mis["is_cut"] / max(1, int(tmask.sum()))}
+    out = {"stats": stats, "sample_alpha_mean": mis["alpha_mean"],
+           "sample_alpha_p5": mis["alpha_p5"], "is_cut": mis["is_cut"] / max(1, int(tmask.sum()))}
     if dense_dist:
         out["_dense_full"] = dense_full
     return out

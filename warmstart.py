@@ -3,15 +3,16 @@ warmstart.py: where the policy starts. A real model comes from its checkpoint (a
 Hugging Face folder); the embedded default's tiny model is trained here first, by SFT on the
 synthetic task's traces.
 
-    python train.py                     # builds out/tiny/warmstart (about a minute on 2 cores),
-                                        # then RL
+    python train.py                     # builds the warm start (about a minute on 2 cores), then RL
+    python train.py --out_dir=out/try2  # reuses it: out/warmstart-cache/sft-<hash of its settings>
     python train.py configs/longcot.py  # a curriculum: tiny's warm start first, then longer chains
 
 What it does:
     1. build_policy: the tokenizer and the model, in the config's dtype.
     2. warm_start: SFT from scratch (or from sft_init: a checkpoint, or another config's warm start)
-       on teacher traces, cached in out_dir/warmstart under a key of every setting that shapes it; a
-       change of any of them rebuilds it.
+       on teacher traces, cached under a key of every setting that shapes it (cache_path: out_dir's
+       parent/warmstart-cache/sft-<hash>), so runs in other out_dirs share it; a change of any of
+       those settings builds a new one.
 
 Simplifications:
     1. The teacher is the task's reference trace, with an optional planted error (sft_noise, see
@@ -19,6 +20,7 @@ Simplifications:
     2. The SFT loop is plain: one AdamW, warmup then cosine, no packing, no evaluation.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -32,7 +34,7 @@ from transformers import AutoTokenizer
 from checkpoint import save_atomic
 from config import parse_config
 from model import ModelConfig, Transformer
-from tasks import build_char_tokenizer, make_synthetic, synthetic_trace
+from tasks import build_char_tokenizer, sft_problems, synthetic_trace
 from update import build_batch, token_logprobs
 
 
@@ -59,17 +61,30 @@ def teacher_trace(problem, noise, rng):
     return trace
 
 
-def warm_start(cfg, tok, dev, log, rank=0):
-    """The tiny model's starting point: SFT on the synthetic task's reference traces, cached in
-    out_dir/warmstart. The cache is keyed by everything that shapes it, so changing the model or the
-    SFT settings rebuilds it."""
+def sft_key(cfg):
+    """Everything that shapes the warm start, and nothing else: the cache's key."""
     key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
-                                        "difficulty", "order", "sft_steps", "sft_batch", "sft_lr",
-                                        "sft_noise", "sft_difficulty", "sft_init")}
-    path = os.path.join(cfg.out_dir, "warmstart")
+                                        "order", "sft_steps", "sft_batch", "sft_lr", "sft_noise",
+                                        "sft_init")}
+    return json.loads(json.dumps({**key, "sft_difficulty": cfg.sft_difficulty or cfg.difficulty}))
+
+
+def cache_path(cfg):
+    """Where the warm start of `cfg` is cached: out_dir's parent/warmstart-cache/<hash of its key>,
+    so every run under out/ with the same SFT settings shares one, whatever its out_dir."""
+    digest = hashlib.sha1(json.dumps(sft_key(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    parent = os.path.dirname(os.path.abspath(cfg.out_dir))
+    return os.path.join(parent, "warmstart-cache", f"sft-{digest}")
+
+
+def warm_start(cfg, tok, dev, log, rank=0):
+    """The tiny model's starting point: SFT on the synthetic task's reference traces, cached by its
+    key (cache_path): changing the model or the SFT settings builds a new one, changing anything
+    else (the RL settings, the out_dir) reuses it."""
+    key, path = sft_key(cfg), cache_path(cfg)
     try:
         with open(os.path.join(path, "sft_key.json")) as f:
-            if json.load(f) == json.loads(json.dumps(key)):
+            if json.load(f) == key:
                 log(f"warm start: loading the cached SFT model from {path}")
                 return Transformer.from_pretrained(path, device=dev)
     except FileNotFoundError:
@@ -89,9 +104,7 @@ def warm_start(cfg, tok, dev, log, rank=0):
     if diff:
         raise ValueError(f"config key 'sft_init' ({cfg.sft_init}): its model differs from this "
                          f"config's: {', '.join(diff)}")
-    # SFT's range may differ from RL's
-    data = make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000,
-                          cfg.sft_difficulty or cfg.difficulty, cfg.order)
+    data = sft_problems(cfg)  # SFT's range may differ from RL's
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
     rng = random.Random(cfg.seed)
     log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} "
@@ -142,7 +155,7 @@ def build_policy(cfg, dev, log, rank=0, world=1):
         if world > 1:
             torch.distributed.barrier()  # rank 0 built the warm start; the others read it
         if rank != 0:
-            model = Transformer.from_pretrained(os.path.join(cfg.out_dir, "warmstart"), device=dev)
+            model = Transformer.from_pretrained(cache_path(cfg), device=dev)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model.to(getattr(torch, cfg.dtype)), tok

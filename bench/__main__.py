@@ -20,7 +20,8 @@ import torch
 
 from bench.common import RESULTS, write_block
 
-SECTIONS = ("rollout", "signal", "sparrow", "sparsecost", "sparsepath", "gpu")  # bench/<name>.py, each with run()
+# bench/<name>.py, each with run()
+SECTIONS = ("rollout", "signal", "sparrow", "sparsecost", "sparsepath", "gpu")
 
 
 def main(argv):

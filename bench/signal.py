@@ -10,12 +10,12 @@ refills (refill_tries = 0: groups without spread are dropped and the step trains
 against its own baseline, which runs as many steps as ours' rollouts make.
 
 Simplifications:
-    1. The embedded default, stopped at step 12 of its 60-step schedule (`stop_at`: the learning rate
-       of those 12 steps is the real run's) and scored on 500 held-out problems: at 60 steps both arms
-       reach 0.98-1.00, which compares nothing. The baseline stops earlier or later on the same
-       schedule.
-    2. Each seed's warm start (SFT) is built once, outside the timing, and copied into every run of
-       that seed; wall time counts the RL runs only.
+    1. The embedded default, stopped at step 12 of its 60-step schedule (`stop_at`: the learning
+       rate of those 12 steps is the real run's) and scored on 500 held-out problems: at 60 steps
+       both arms reach 0.98-1.00, which compares nothing. The baseline stops earlier or later on the
+       same schedule.
+    2. Each seed's warm start (SFT) is built once, outside the timing, in the cache that every run
+       of that seed then reads (the runs' folders share a parent); wall time counts the RL runs.
     3. The runs are `train.main` calls in this process, one after another.
 
     python -m bench signal --threads 1        # about 30 minutes on 2 cores
@@ -35,7 +35,7 @@ from warmstart import build_policy
 
 VARIANTS = {"with refills": [], "without refills": ["--refill_tries=0"]}  # ours' dynamic sampling
 ARGS = {True: ["--stop_at=6", "--sft_steps=60", "--n_eval=50"],  # quick: a smoke run
-        False: ["--stop_at=12", "--n_eval=500"]}  # both on the default's full learning-rate schedule
+        False: ["--stop_at=12", "--n_eval=500"]}  # both on the default's full LR schedule
 
 
 def run_summary(history):
@@ -70,9 +70,9 @@ def run(quick, cmd):
                     else:  # as many steps as ours' rollouts make: the same number of rollouts
                         per_step = cfg.prompts_per_step * cfg.group_size
                         same = max(1, round(runs["ours"][-1]["rollouts"] / per_step))
-                        extra = ["--sampler=uniform", "--dynamic_sampling=false", f"--stop_at={same}"]
-                    out = f"{root}/{seed}-{variant}-{arm}".replace(" ", "_")
-                    shutil.copytree(f"{root}/{seed}/warmstart", f"{out}/warmstart")
+                        extra = ["--sampler=uniform", "--dynamic_sampling=false",
+                                 f"--stop_at={same}"]
+                    out = f"{root}/{seed}-{variant}-{arm}".replace(" ", "_")  # shares root's cache
                     t = time.perf_counter()
                     runs[arm].append(run_summary(train.main(a + [f"--out_dir={out}"] + extra)))
                     wall[arm] += time.perf_counter() - t

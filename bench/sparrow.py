@@ -21,6 +21,7 @@ Simplifications:
     python -m bench sparrow --quick           # 4 steps, a short warm start: a smoke run
 """
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ import tempfile
 import train
 from bench.common import hardware
 from config import parse_config
+from warmstart import cache_path
 
 FIXED = 8  # pages of 8 tokens a decode step for run (b): below what calibration asks of later bins
 
@@ -106,13 +108,12 @@ def run(quick, cmd):
     root = tempfile.mkdtemp(prefix="zeros-bench-sparrow-")
     cfg = parse_config(args)
     results = {}
-    cached = os.path.join(cfg.out_dir, "warmstart")  # built by `python train.py configs/longcot.py`
+    cached = cache_path(cfg)  # built by `python train.py configs/longcot.py`, if it ran
     try:
+        if os.path.isdir(cached):  # the arms' folders share root's cache: one warm start for all
+            shutil.copytree(cached, cache_path(dataclasses.replace(cfg, out_dir=f"{root}/arm0")))
         for i, (name, extra) in enumerate(arms(FIXED).items()):
             out = f"{root}/arm{i}"
-            src = f"{root}/arm0/warmstart" if i else cached
-            if os.path.isdir(src):  # one warm start for every run (rebuilt if its key differs)
-                shutil.copytree(src, f"{out}/warmstart")
             print(f"--- {name}", flush=True)
             results[name] = summary(train.main(args + extra + [f"--out_dir={out}"]))
     finally:

@@ -69,7 +69,8 @@ def run(quick, cmd):
     """-> the table, head included."""
     hw, m = hardware(), model()
     # the loop's shape: 8 prompts x 8 rows (quick: 2 x 4)
-    contexts, n_prompts, group, new = ((1024,), 2, 4, 16) if quick else ((1024, 2048, 4096), 8, 8, 32)
+    quick_sizes, sizes = ((1024,), 2, 4, 16), ((1024, 2048, 4096), 8, 8, 32)
+    contexts, n_prompts, group, new = quick_sizes if quick else sizes
     g = torch.Generator().manual_seed(0)
     lines = [f"Hardware: {hw}. Command: `{cmd}`. A random 4-layer Qwen3-shaped model (2 KV heads "
              f"of 32), pages of 8 tokens, every layer sparse, {n_prompts} prompts x {group} rows, "

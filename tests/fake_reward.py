@@ -1,5 +1,6 @@
-"""A reward with spread on an untrained model (the parity of the completion's length), so that loop tests train.
-`python tests/fake_reward.py --key=value ...` runs train.py with it (used under torchrun by the tests)."""
+"""A reward with spread on an untrained model (the parity of the completion's length), so that loop
+tests train. `python tests/fake_reward.py --key=value ...` runs train.py with it (used under
+torchrun by the tests)."""
 import os
 import sys
 

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # leaves.
 ORDER = ["train", "report", "calibrate", "roi", "warmstart", "parallel", "checkpoint", "distill",
          "update", "copies", "sync", "rollout", "kernels.block_sparse_decode", "sparsity", "prompts", "reward",
-         "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "model", "config"]
+         "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers", "model", "config"]
 CORE_MAX_LINES = 650
 FUNCTION_MAX_LINES = 80
 # the Triton kernel: one body, as the compiler wants it

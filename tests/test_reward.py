@@ -7,10 +7,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reward import cheap_verdict, normalize_answer, overlong_penalty, score, score_one  # noqa: E402
-from tasks import (  # noqa: E402
-    Problem, extract_answer, extract_boxed, extract_hash_answer, extract_synthetic, last_number, make_synthetic,
-    synthetic_trace,
+from answers import (  # noqa: E402
+    extract_answer, extract_boxed, extract_hash_answer, extract_synthetic, last_number,
 )
+from tasks import Problem, make_synthetic, synthetic_trace  # noqa: E402
 
 
 @pytest.mark.parametrize("text, want", [

@@ -1,4 +1,5 @@
-"""Stage 4 and the loop: config errors, advantages and loss by hand, log-probs, NaN skipping, resume, torchrun."""
+"""Stage 4 and the loop: config errors, advantages and loss by hand, log-probs, NaN skipping,
+resume, torchrun."""
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import config
 import train
 import update
 from model import ModelConfig, Transformer
+from warmstart import cache_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,9 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_config_overrides_and_types(tmp_path):
     f = tmp_path / "c.py"
-    f.write_text("# a comment\nsteps = 7\nlr = 1  # an int where a float is wanted is fine\ndifficulty = [3, 4]\n")
+    f.write_text("# a comment\nsteps = 7\nlr = 1  # an int where a float is wanted is fine\n"
+                 "difficulty = [3, 4]\n")
     cfg = config.parse_config([str(f), "--group_size=4", "--plot=false", "--stop=###"])
-    assert (cfg.steps, cfg.lr, cfg.difficulty, cfg.group_size, cfg.plot, cfg.stop) == (7, 1.0, (3, 4), 4, False, "###")
+    assert ((cfg.steps, cfg.lr, cfg.difficulty, cfg.group_size, cfg.plot, cfg.stop)
+            == (7, 1.0, (3, 4), 4, False, "###"))
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -46,8 +50,10 @@ def test_config_file_unknown_key(tmp_path):
 
 
 def test_cli_reports_config_error_without_traceback():
-    r = subprocess.run([sys.executable, "train.py", "--bogus=1"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 2 and "unknown config key 'bogus'" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "train.py", "--bogus=1"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert (r.returncode == 2 and "unknown config key 'bogus'" in r.stderr
+            and "Traceback" not in r.stderr)
 
 
 # ----------------------------------------------------------------------------- advantages and loss
@@ -55,10 +61,13 @@ def test_cli_reports_config_error_without_traceback():
 
 def test_group_advantages_by_hand():
     adv, keep = update.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]), 4)
-    assert torch.allclose(adv[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)  # mean .5, std .5
-    assert torch.equal(adv[4:], torch.zeros(4)) and keep.tolist() == [True, False]  # all equal: no signal
+    # mean .5, std .5
+    assert torch.allclose(adv[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    # all equal: no signal
+    assert torch.equal(adv[4:], torch.zeros(4)) and keep.tolist() == [True, False]
     adv, keep = update.group_advantages(torch.tensor([0.2, 0.2, 0.8]), 3)  # non-binary rewards
-    assert keep.tolist() == [True] and torch.allclose(adv, torch.tensor([-0.7071, -0.7071, 1.4142]), atol=1e-4)
+    assert keep.tolist() == [True] and torch.allclose(adv, torch.tensor([-0.7071, -0.7071, 1.4142]),
+                                                      atol=1e-4)
 
 
 def test_pg_loss_by_hand_with_clip_boundaries_and_padding():
@@ -71,7 +80,8 @@ def test_pg_loss_by_hand_with_clip_boundaries_and_padding():
     loss, s = update.pg_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
     want = -(1.0 + 1.28 + 0.5) - (-0.8 - 1.2)  # min(r A, clip(r) A) per token, summed, negated
     assert loss.item() == pytest.approx(want, abs=1e-5)
-    assert s["clipped"] == 2  # token (0,1) above 1 + clip_high with A > 0, token (1,0) below 1 - clip_low with A < 0
+    # token (0,1) above 1 + clip_high with A > 0, token (1,0) below 1 - clip_low with A < 0
+    assert s["clipped"] == 2
     # gradient flows only where the objective is not clipped
     logp.requires_grad_(True)
     update.pg_loss(logp, old, adv, mask, 0.2, 0.28)[0].backward()
@@ -84,32 +94,37 @@ def test_is_weights_tis_and_mis_by_hand():
     old = torch.log(torch.tensor([[0.25, 0.8, 1.0, 1.5, 3.0]]))  # p_train / p_rollout
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])  # the last token is padding
     w, s = update.is_weights(old, roll, mask, "tis", cap=1.2)
-    assert torch.allclose(w, torch.tensor([[0.25, 0.8, 1.0, 1.2, 0.0]]), atol=1e-6) and s["is_cut"] == 1
+    assert (torch.allclose(w, torch.tensor([[0.25, 0.8, 1.0, 1.2, 0.0]]), atol=1e-6)
+            and s["is_cut"] == 1)
     w, s = update.is_weights(old, roll, mask, "mis", lo=0.5, hi=1.2)
-    assert torch.allclose(w, torch.tensor([[0.0, 0.8, 1.0, 0.0, 0.0]]), atol=1e-6) and s["is_cut"] == 2
+    assert (torch.allclose(w, torch.tensor([[0.0, 0.8, 1.0, 0.0, 0.0]]), atol=1e-6)
+            and s["is_cut"] == 2)
     w, s = update.is_weights(old, roll, mask, "none")
     assert torch.equal(w, mask) and s["is_cut"] == 0
-    assert s["alpha_mean"] == pytest.approx((0.25 + 0.8 + 1 + 1) / 4, abs=1e-6)  # min(1, ratio) over real tokens
+    # min(1, ratio) over real tokens
+    assert s["alpha_mean"] == pytest.approx((0.25 + 0.8 + 1 + 1) / 4, abs=1e-6)
     with pytest.raises(ValueError, match="is_correction"):
         update.is_weights(old, roll, mask, "bogus")
     # the weight multiplies the policy term: a token with weight 0 gets no gradient
     lp = torch.zeros(1, 5, requires_grad=True)
-    update.pg_loss(lp, torch.zeros(1, 5), torch.ones(1), mask.bool(), 0.2, 0.2, is_w=w * 0 + torch.tensor([[0, 1, 1, 1, 1.0]]))[0].backward()
+    update.pg_loss(lp, torch.zeros(1, 5), torch.ones(1), mask.bool(), 0.2, 0.2,
+                   is_w=w * 0 + torch.tensor([[0, 1, 1, 1, 1.0]]))[0].backward()
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] == -1
 
 
 def test_pg_loss_kl_term():
     lp, ref = torch.zeros(1, 2), torch.log(torch.tensor([[0.5, 2.0]]))
-    loss, _ = update.pg_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.2, ref, kl_coef=0.5,
-                             kl_loss="k3")
+    loss, _ = update.pg_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), 0.2, 0.2,
+                             ref, kl_coef=0.5, kl_loss="k3")
     d = ref[0]
     assert loss.item() == pytest.approx(0.5 * (torch.exp(d) - d - 1).sum().item(), abs=1e-6)
 
 
 def tiny(seed=0, vocab=20):
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8, intermediate_size=64))
+    return Transformer(ModelConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   intermediate_size=64))
 
 
 def test_token_logprobs_alignment_and_packing():
@@ -122,7 +137,8 @@ def test_token_logprobs_alignment_and_packing():
     with torch.no_grad():
         lp = update.token_logprobs(m, ids, tmask)
         lp_packed = update.token_logprobs(m, ids, tmask, packed=True)
-        for i, (p, c, k) in enumerate(zip(prompts, comps, masks)):  # the slow way: one row at a time
+        # the slow way: one row at a time
+        for i, (p, c, k) in enumerate(zip(prompts, comps, masks)):
             seq = torch.tensor([p + c[k].tolist()])
             full = m(seq)[0].log_softmax(-1)
             want = [full[len(p) - 1 + j, t].item() for j, t in enumerate(c[k].tolist())]
@@ -138,23 +154,27 @@ def test_nonfinite_loss_skips_the_step_and_keeps_weights():
     ids = torch.randint(1, 20, (2, 6))
     tmask = torch.zeros(2, 6, dtype=torch.bool)
     tmask[:, 2:5] = True
-    stats = update.train_on(cfg, m, opt, ids, tmask, torch.tensor([float("nan"), 1.0]), world=1)["stats"]
+    stats = update.train_on(cfg, m, opt, ids, tmask, torch.tensor([float("nan"), 1.0]),
+                            world=1)["stats"]
     assert stats[3].item() == 1  # one step skipped
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
     stats = update.train_on(cfg, m, opt, ids, tmask, torch.tensor([-1.0, 1.0]), world=1)["stats"]
-    assert stats[3].item() == 0 and any(not torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert stats[3].item() == 0 and any(not torch.equal(before[k], v)
+                                        for k, v in m.state_dict().items())
 
 
-# ----------------------------------------------------------------------------- the loop: resume and torchrun
+# -------------------------------------------------------------------- the loop: resume and torchrun
 
-TINY_RUN = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--ffn=64", "--sft_steps=3", "--sft_batch=8",
-            "--n_train=64", "--n_eval=8", "--prompts_per_step=4", "--group_size=4", "--max_new_tokens=12",
-            "--steps=4", "--eval_every=100", "--plot=false", "--difficulty=(1,2)", "--lr=1e-2", "--passes=2",
-            "--minibatches=2", "--micro_batch=4"]
+TINY_RUN = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--ffn=64",
+            "--sft_steps=3", "--sft_batch=8", "--n_train=64", "--n_eval=8", "--prompts_per_step=4",
+            "--group_size=4", "--max_new_tokens=12", "--steps=4", "--eval_every=100",
+            "--plot=false", "--difficulty=(1,2)", "--lr=1e-2", "--passes=2", "--minibatches=2",
+            "--micro_batch=4"]
 
 
 def killed_at_2_then_resumed(monkeypatch, run):
-    """Run with a checkpoint every 2 steps, kill the run as step 2 starts, resume it: the resumed records."""
+    """Run with a checkpoint every 2 steps, kill the run as step 2 starts, resume it: the resumed
+    records."""
     real_step = train.rl_step
 
     def crash_at_2(cfg, step, *a, **k):
@@ -175,7 +195,8 @@ def test_resume_gives_the_same_next_loss(tmp_path, monkeypatch):
     full = train.main(TINY_RUN + [f"--out_dir={tmp_path / 'a'}", "--save_every=100"])["records"]
     assert full[2]["loss"] != 0.0  # the comparison below means something
 
-    resumed = killed_at_2_then_resumed(monkeypatch, TINY_RUN + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
+    resumed = killed_at_2_then_resumed(monkeypatch,
+                                       TINY_RUN + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert resumed[2]["loss"] == pytest.approx(full[2]["loss"], abs=1e-6)
     assert resumed[3]["loss"] == pytest.approx(full[3]["loss"], abs=1e-6)
@@ -185,11 +206,13 @@ def test_resume_gives_the_same_next_loss(tmp_path, monkeypatch):
 
 def test_torchrun_two_ranks_end_identical(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
-           "tests/fake_reward.py", *TINY_RUN, "--steps=2", "--threads=1", f"--out_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_port=29517", "tests/fake_reward.py", *TINY_RUN, "--steps=2", "--threads=1",
+           f"--out_dir={tmp_path}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    line = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("weight checksum per rank")][0]
+    line = [l for l in (r.stdout + r.stderr).splitlines()
+            if l.startswith("weight checksum per rank")][0]
     sums = line.split(":")[1].split("(")[0].split()
     assert len(sums) == 2 and sums[0] == sums[1] and "(identical)" in line
     recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -200,20 +223,25 @@ def test_dynamic_sampling_trains_short_when_tries_run_out(tmp_path, monkeypatch,
     import reward
     orig = reward.Cascade.score_batch
 
-    def all_zero(self, problems, texts, group_size=1, **kw):  # no group ever has spread: nothing to learn from
+    # no group ever has spread: nothing to learn from
+    def all_zero(self, problems, texts, group_size=1, **kw):
         res = orig(self, problems, texts, group_size, **kw)
         res.rewards = [0.0] * len(texts)
         return res
 
     monkeypatch.setattr(reward.Cascade, "score_batch", all_zero)
-    out = train.main(TINY_RUN + ["--steps=2", "--refill_tries=3", f"--out_dir={tmp_path}", "--save_every=100"])
+    out = train.main(TINY_RUN + ["--steps=2", "--refill_tries=3", f"--out_dir={tmp_path}",
+                                 "--save_every=100"])
     recs = out["records"]
-    assert all(r["tries"] == 4 and r["groups_kept"] == 0 and r["short"] == 1 and r["tokens"] == 0 for r in recs)
+    assert all(r["tries"] == 4 and r["groups_kept"] == 0 and r["short"] == 1 and r["tokens"] == 0
+               for r in recs)
     cap = capsys.readouterr()
     assert "SHORT" in cap.out + cap.err
-    ws = Transformer.from_pretrained(str(tmp_path / "warmstart"))
+    ws = Transformer.from_pretrained(
+        cache_path(config.parse_config(TINY_RUN + [f"--out_dir={tmp_path}"])))
     from model import weight_checksum
-    assert out["checksums"][0] == weight_checksum(ws)  # no update happened: the weights are the warm start's
+    # no update happened: the weights are the warm start's
+    assert out["checksums"][0] == weight_checksum(ws)
 
 
 def test_a_refill_draws_the_missing_groups_over_the_keep_rate(tmp_path, monkeypatch):
@@ -221,7 +249,8 @@ def test_a_refill_draws_the_missing_groups_over_the_keep_rate(tmp_path, monkeypa
     import prompts
     import reward
     orig = reward.Cascade.score_batch
-    spread = lambda p: zlib.crc32(p.prompt.encode()) % 3 == 0  # about a third of the prompts give a group with spread
+    # about a third of the prompts give a group with spread
+    spread = lambda p: zlib.crc32(p.prompt.encode()) % 3 == 0
 
     def some_spread(self, problems, texts, group_size=1, **kw):
         res = orig(self, problems, texts, group_size, **kw)
@@ -238,20 +267,23 @@ def test_a_refill_draws_the_missing_groups_over_the_keep_rate(tmp_path, monkeypa
 
     monkeypatch.setattr(reward.Cascade, "score_batch", some_spread)
     monkeypatch.setattr(prompts.GrowthZoneSampler, "next_batch", logged)
-    recs = train.main(TINY_RUN + ["--steps=3", "--prompts_per_step=8", "--refill_tries=4", f"--out_dir={tmp_path}",
-                                  "--save_every=100"])["records"]
+    recs = train.main(TINY_RUN + ["--steps=3", "--prompts_per_step=8", "--refill_tries=4",
+                                  f"--out_dir={tmp_path}", "--save_every=100"])["records"]
     k = 0
-    for r in recs:  # replay each step's tries: the first draws a whole batch, a refill what is missing / keep rate
+    # replay each step's tries: the first draws a whole batch, a refill what is missing / keep rate
+    for r in recs:
         kept, drawn, signals, sizes = 0, 0, 0, []
         for t in range(r["tries"]):
             sizes.append(len(calls[k]))
             want = 8 if t == 0 else min(8, math.ceil((8 - kept) * drawn / max(1, signals)))
             assert len(calls[k]) == want
-            drawn, signals, kept = drawn + want, signals + sum(calls[k]), min(8, kept + sum(calls[k]))
+            drawn, signals, kept = (drawn + want, signals + sum(calls[k]),
+                                    min(8, kept + sum(calls[k])))
             k += 1
         assert r["groups_kept"] == kept and r["short"] == int(kept < 8)
         assert r["rollouts"] == 4 * sum(sizes)
-    assert any(r["tries"] > 1 for r in recs) and any(len(c) < 8 for c in calls[1:])  # refills happened, and smaller
+    # refills happened, and smaller
+    assert any(r["tries"] > 1 for r in recs) and any(len(c) < 8 for c in calls[1:])
     assert k == len(calls)
 
 
@@ -259,11 +291,14 @@ def test_a_refill_draws_the_missing_groups_over_the_keep_rate(tmp_path, monkeypa
 def test_rollout_copies_run_in_the_loop_with_is_correction(tmp_path, monkeypatch, form):
     from fake_reward import use_parity_reward
     use_parity_reward(monkeypatch.setattr)
-    recs = train.main(TINY_RUN + ["--steps=2", f"--rollout_copy={form}", "--is_correction=tis", "--is_cap=1.0",
-                                  f"--out_dir={tmp_path}", "--save_every=100"])["records"]
+    recs = train.main(TINY_RUN + ["--steps=2", f"--rollout_copy={form}", "--is_correction=tis",
+                                  "--is_cap=1.0", f"--out_dir={tmp_path}",
+                                  "--save_every=100"])["records"]
     trained = [r for r in recs if r["tokens"] > 0]
-    assert trained and all(r["alpha_mean"] < 1.0 for r in trained)  # the copy really differs from the policy
-    assert any(r["is_cut"] > 0 for r in trained)  # and the truncation is active (cap 1: every ratio above 1 is cut)
+    # the copy really differs from the policy
+    assert trained and all(r["alpha_mean"] < 1.0 for r in trained)
+    # and the truncation is active (cap 1: every ratio above 1 is cut)
+    assert any(r["is_cut"] > 0 for r in trained)
 
 
 def test_lora_in_the_loop_trains_only_the_adapter_and_resumes(tmp_path, monkeypatch):
@@ -271,22 +306,26 @@ def test_lora_in_the_loop_trains_only_the_adapter_and_resumes(tmp_path, monkeypa
     use_parity_reward(monkeypatch.setattr)
     run = TINY_RUN + ["--lora_r=4", "--lora_alpha=8"]
     full = train.main(run + [f"--out_dir={tmp_path / 'a'}", "--save_every=100"])["records"]
-    ws = Transformer.from_pretrained(str(tmp_path / "a" / "warmstart"))
+    ws = Transformer.from_pretrained(
+        cache_path(config.parse_config(run + [f"--out_dir={tmp_path / 'a'}"])))
     ck = Transformer.from_pretrained(str(tmp_path / "a" / "ckpt"))  # merged weights, plain HF names
     assert (tmp_path / "a" / "ckpt" / "adapter" / "adapter_model.safetensors").exists()
-    assert any(not torch.equal(a, b) for a, b in zip(ws.state_dict().values(), ck.state_dict().values()))
+    assert any(not torch.equal(a, b)
+               for a, b in zip(ws.state_dict().values(), ck.state_dict().values()))
     # embeddings and norms are not adapted: they must be bit-identical to the warm start
     assert torch.equal(ws.model.embed_tokens.weight, ck.model.embed_tokens.weight)
     assert torch.equal(ws.model.norm.weight, ck.model.norm.weight)
 
-    resumed = killed_at_2_then_resumed(monkeypatch, run + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
+    resumed = killed_at_2_then_resumed(monkeypatch,
+                                       run + [f"--out_dir={tmp_path / 'b'}", "--save_every=2"])
     assert full[2]["loss"] != 0.0 and resumed[2]["loss"] == pytest.approx(full[2]["loss"], abs=1e-6)
 
 
 def test_sparse_kv_budget_in_the_loop(tmp_path, monkeypatch):
     from fake_reward import use_parity_reward
     use_parity_reward(monkeypatch.setattr)
-    run = TINY_RUN + ["--steps=1", "--page_size=4", "--dense_layers=0", "--max_new_tokens=24", "--save_every=100"]
+    run = TINY_RUN + ["--steps=1", "--page_size=4", "--dense_layers=0", "--max_new_tokens=24",
+                      "--save_every=100"]
     dense = train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=dense"])["records"][0]
     sparse = train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=fixed:2"])["records"][0]
     assert dense["kv_read"] == pytest.approx(1.0) and sparse["kv_read"] < 1.0
@@ -299,14 +338,17 @@ def test_sparse_kv_budget_in_the_loop(tmp_path, monkeypatch):
 def test_kv_controller_raises_a_table_that_misses_the_target(tmp_path, monkeypatch):
     from fake_reward import use_parity_reward
     use_parity_reward(monkeypatch.setattr)
-    run = TINY_RUN + ["--steps=3", "--page_size=2", "--dense_layers=0", "--max_new_tokens=24", "--save_every=100",
-                      "--kv_budget=table:1,1", "--kv_bin_pages=4", "--kv_controller=true", "--kv_target=0.999",
-                      "--is_correction=none", f"--out_dir={tmp_path}"]
+    run = TINY_RUN + ["--steps=3", "--page_size=2", "--dense_layers=0", "--max_new_tokens=24",
+                      "--save_every=100", "--kv_budget=table:1,1", "--kv_bin_pages=4",
+                      "--kv_controller=true", "--kv_target=0.999", "--is_correction=none",
+                      f"--out_dir={tmp_path}"]
     recs = train.main(run)["records"]
     assert all("alpha_bins" in r and r["kv_table"] for r in recs)
-    assert any(min(p for p in r["alpha_bins"]["p5"] if p == p) < 0.999 for r in recs)  # one page misses the target
+    # one page misses the target (p == p skips the NaN p5 of an empty bin)
+    assert any(min(p for p in r["alpha_bins"]["p5"] if p == p) < 0.999 for r in recs)
     first, last = recs[0]["kv_table"], recs[-1]["kv_table"]
-    assert sum(last) > sum(first) >= 2  # and the controller raised the budgets of the bins that missed it
+    # and the controller raised the budgets of the bins that missed it
+    assert sum(last) > sum(first) >= 2
     with pytest.raises(ValueError, match="kv_controller"):
         train.main(TINY_RUN + ["--kv_controller=true", f"--out_dir={tmp_path}"])
 
@@ -314,18 +356,21 @@ def test_kv_controller_raises_a_table_that_misses_the_target(tmp_path, monkeypat
 @pytest.mark.parametrize("nproc,stale", [(2, 1), (3, 0)])
 def test_torchrun_disaggregated_rollout_ranks_end_on_the_trainers_weights(tmp_path, nproc, stale):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={29600 + nproc}",
-           "tests/fake_reward.py", *TINY_RUN, "--steps=3", "--threads=1", "--rollout_ranks=1",
-           f"--max_staleness={stale}", f"--out_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={29600 + nproc}", "tests/fake_reward.py", *TINY_RUN, "--steps=3",
+           "--threads=1", "--rollout_ranks=1", f"--max_staleness={stale}", f"--out_dir={tmp_path}"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    line = [l for l in (r.stdout + r.stderr).splitlines() if l.startswith("weight checksum per rank")][0]
+    line = [l for l in (r.stdout + r.stderr).splitlines()
+            if l.startswith("weight checksum per rank")][0]
     sums = line.split(":")[1].split("(")[0].split()
-    assert len(sums) == nproc and len(set(sums)) == 1  # every rollout rank holds exactly the trainers' weights
+    # every rollout rank holds exactly the trainers' weights
+    assert len(sums) == nproc and len(set(sums)) == 1
     recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r["tokens"] > 0 for r in recs)  # the trainers trained
     shipped = [r["sync_bytes"] for r in recs if "sync_bytes" in r]
-    assert shipped and all(0 < b for b in shipped) and all(r["sync_ratio"] <= 1.0 for r in recs if "sync_ratio" in r)
+    assert shipped and all(0 < b for b in shipped) and all(r["sync_ratio"] <= 1.0
+                                                          for r in recs if "sync_ratio" in r)
 
 
 def test_torchrun_fsdp2_matches_plain_data_parallel(tmp_path):
@@ -333,8 +378,9 @@ def test_torchrun_fsdp2_matches_plain_data_parallel(tmp_path):
     recs = {}
     for name, extra, port in (("dp", [], 29711), ("fsdp", ["--fsdp=true"], 29712)):
         out = tmp_path / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-               "tests/fake_reward.py", *TINY_RUN, "--steps=2", "--threads=1", f"--out_dir={out}", *extra]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={port}", "tests/fake_reward.py", *TINY_RUN, "--steps=2",
+               "--threads=1", f"--out_dir={out}", *extra]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "(identical)" in r.stdout + r.stderr
@@ -345,44 +391,57 @@ def test_torchrun_fsdp2_matches_plain_data_parallel(tmp_path):
 
 
 def test_calibrated_schedule_distill_and_dense_comparison_in_the_loop(tmp_path, monkeypatch):
-    """kv_budget=calibrate writes a table that schedule:PATH reads back; DistillSparse trains its adapter (the
-    policy's weights stay adapter-free) and resumes; kv_compare_every times a dense rollout in the same step."""
+    """kv_budget=calibrate writes a table that schedule:PATH reads back; DistillSparse trains its
+    adapter (the policy's weights stay adapter-free) and resumes; kv_compare_every times a dense
+    rollout in the same step."""
     import json
     from fake_reward import use_parity_reward
     use_parity_reward(monkeypatch.setattr)
-    run = TINY_RUN + ["--page_size=2", "--dense_layers=0", "--max_new_tokens=24", "--kv_bin_pages=4",
-                      "--kv_candidates=(1,2,4,64)", "--calib_prompts=2", "--kv_target=0.5", "--kv_compare_every=2"]
-    a = train.main(run + ["--steps=1", "--kv_budget=calibrate", f"--out_dir={tmp_path / 'a'}"])["records"]
+    run = TINY_RUN + ["--page_size=2", "--dense_layers=0", "--max_new_tokens=24",
+                      "--kv_bin_pages=4", "--kv_candidates=(1,2,4,64)", "--calib_prompts=2",
+                      "--kv_target=0.5", "--kv_compare_every=2"]
+    a = train.main(run + ["--steps=1", "--kv_budget=calibrate",
+                          f"--out_dir={tmp_path / 'a'}"])["records"]
     sd = json.load(open(tmp_path / "a" / "kv_schedule.json"))
-    assert sd["bin_pages"] == 4 and sd["table"] == sorted(sd["table"]) and a[0]["kv_table"] == sd["table"]
+    assert (sd["bin_pages"] == 4 and sd["table"] == sorted(sd["table"])
+            and a[0]["kv_table"] == sd["table"])
     assert a[0]["rollout_speedup"] > 0 and a[0]["dense_tok_s"] > 0
-    b = run + ["--distill_r=2", f"--kv_budget=schedule:{tmp_path / 'a' / 'kv_schedule.json'}", "--save_every=2"]
+    b = run + ["--distill_r=2", f"--kv_budget=schedule:{tmp_path / 'a' / 'kv_schedule.json'}",
+               "--save_every=2"]
     recs = killed_at_2_then_resumed(monkeypatch, b + [f"--out_dir={tmp_path / 'b'}"])
     assert len(recs) == 4 and all(r["distill_kl"] >= 0 for r in recs)
     from safetensors.torch import load_file
-    assert not any("lora" in k for k in load_file(str(tmp_path / "b" / "ckpt" / "model.safetensors")))
+    assert not any("lora" in k
+                   for k in load_file(str(tmp_path / "b" / "ckpt" / "model.safetensors")))
     state = torch.load(tmp_path / "b" / "ckpt" / "trainer_state.pt", weights_only=False)
-    assert any(v.abs().sum() > 0 for k, v in state["distill"]["adapter"].items() if "lora_B" in k)  # it trained
+    # it trained
+    assert any(v.abs().sum() > 0 for k, v in state["distill"]["adapter"].items() if "lora_B" in k)
     with pytest.raises(ValueError, match="distill_r"):
-        train.main(run + ["--distill_r=2", "--lora_r=2", "--kv_budget=fixed:2", f"--out_dir={tmp_path / 'c'}"])
+        train.main(run + ["--distill_r=2", "--lora_r=2", "--kv_budget=fixed:2",
+                          f"--out_dir={tmp_path / 'c'}"])
     with pytest.raises(FileNotFoundError, match="calibrate.py"):
         train.main(run + ["--kv_budget=schedule:/nonexistent.json", f"--out_dir={tmp_path / 'c'}"])
 
 
 def test_warm_start_curriculum_from_another_config(tmp_path, monkeypatch):
-    """sft_init = a config file: that config's warm start is built (in its own out_dir) and SFT continues from it;
-    the cache key names the chain, so a second run loads instead of rebuilding."""
+    """sft_init = a config file: that config's warm start is built (in its own out_dir) and SFT
+    continues from it; the cache key names the chain, so a second run loads instead of
+    rebuilding."""
     import json
     from fake_reward import use_parity_reward
     use_parity_reward(monkeypatch.setattr)
     inner = tmp_path / "inner.py"
-    inner.write_text(f"out_dir = {str(tmp_path / 'inner')!r}\nn_layer = 1\nn_embd = 32\nn_head = 2\nn_kv_head = 1\n"
-                     f"ffn = 64\nsft_steps = 2\nsft_batch = 4\ndifficulty = (1, 2)\n")
-    run = TINY_RUN + ["--steps=1", f"--sft_init={inner}", "--sft_difficulty=(1,3)", f"--out_dir={tmp_path / 'outer'}"]
+    inner.write_text(f"out_dir = {str(tmp_path / 'inner')!r}\nn_layer = 1\nn_embd = 32\n"
+                     f"n_head = 2\nn_kv_head = 1\nffn = 64\nsft_steps = 2\nsft_batch = 4\n"
+                     f"difficulty = (1, 2)\n")
+    run = TINY_RUN + ["--steps=1", f"--sft_init={inner}", "--sft_difficulty=(1,3)",
+                      f"--out_dir={tmp_path / 'outer'}"]
     train.main(run)
-    assert (tmp_path / "inner" / "warmstart" / "model.safetensors").exists()
-    key = json.load(open(tmp_path / "outer" / "warmstart" / "sft_key.json"))
+    inner_cfg = config.parse_config([str(inner)])
+    assert os.path.exists(os.path.join(cache_path(inner_cfg), "model.safetensors"))
+    key = json.load(open(os.path.join(cache_path(config.parse_config(run)), "sft_key.json")))
     assert key["sft_init"] == str(inner) and key["sft_difficulty"] == [1, 3]
-    with pytest.raises(ValueError, match=r"sft_init.*hidden_size 32 \(want 64\)"):  # another shape is refused
+    # another shape is refused
+    with pytest.raises(ValueError, match=r"sft_init.*hidden_size 32 \(want 64\)"):
         train.main(TINY_RUN + ["--steps=1", f"--sft_init={inner}", "--n_embd=64", "--n_head=2",
                                f"--out_dir={tmp_path / 'other'}"])

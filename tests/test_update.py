@@ -1,5 +1,6 @@
-"""Stage 4's maths beyond the basics in test_train.py: which KL each loss form follows, Dr. GRPO's advantage,
-the logged gradient norm, an inf loss, dropout only in the training forward, and DAPO's overlong filtering."""
+"""Stage 4's maths beyond the basics in test_train.py: which KL each loss form follows, Dr. GRPO's
+advantage, the logged gradient norm, an inf loss, dropout only in the training forward, and DAPO's
+overlong filtering."""
 import pytest
 import torch
 
@@ -9,19 +10,22 @@ from model import ModelConfig, Transformer, add_lora
 
 
 def categorical_grads(kl_loss, V=6, seed=0):
-    """The expected gradient of the per-token KL loss over tokens sampled from the policy (exact: every token,
-    weighted by its probability), and the gradients of the two exact KLs, all w.r.t. the policy's logits."""
+    """The expected gradient of the per-token KL loss over tokens sampled from the policy (exact:
+    every token, weighted by its probability), and the gradients of the two exact KLs, all w.r.t.
+    the policy's logits."""
     g = torch.Generator().manual_seed(seed)
     theta = torch.randn(V, generator=g, requires_grad=True)
     ref = torch.randn(V, generator=g).log_softmax(-1)
     logp = theta.log_softmax(-1)
     p = logp.exp().detach()
-    # V "tokens" in one row, each weighted by its probability (the mask is a float weight in pg_loss)
-    loss, _ = update.pg_loss(logp[None], logp.detach()[None], torch.zeros(1), p[None], 0.2, 0.2, ref[None],
-                             kl_coef=1.0, kl_loss=kl_loss)
+    # V "tokens" in one row, each weighted by its probability (the mask is a float weight in
+    # pg_loss)
+    loss, _ = update.pg_loss(logp[None], logp.detach()[None], torch.zeros(1), p[None], 0.2, 0.2,
+                             ref[None], kl_coef=1.0, kl_loss=kl_loss)
     est = torch.autograd.grad(loss, theta, retain_graph=True)[0]
     fwd = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)[0]  # KL(policy || ref)
-    rev = torch.autograd.grad((ref.exp() * (ref - theta.log_softmax(-1))).sum(), theta)[0]  # KL(ref || policy)
+    # KL(ref || policy)
+    rev = torch.autograd.grad((ref.exp() * (ref - theta.log_softmax(-1))).sum(), theta)[0]
     return est, fwd, rev
 
 
@@ -46,8 +50,9 @@ def test_dr_grpo_advantage_is_not_divided_by_the_std():
 
 def tiny(seed=0):
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8, intermediate_size=64))
+    return Transformer(ModelConfig(vocab_size=20, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   intermediate_size=64))
 
 
 def batch():
@@ -62,7 +67,8 @@ def test_logged_grad_norm_is_a_mean_over_the_optimizer_steps_not_their_sum():
     norms = []
     for passes in (1, 3):
         m = tiny()
-        opt = torch.optim.SGD(m.parameters(), lr=0.0)  # the weights stay put: every step sees the same gradient
+        # the weights stay put: every step sees the same gradient
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
         cfg = config.Config(micro_batch=4, passes=passes)
         norms.append(update.train_on(cfg, m, opt, ids, tmask, adv, world=1)["stats"][4].item())
     assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-5)
@@ -75,13 +81,15 @@ def test_an_inf_loss_skips_the_step_even_with_a_finite_gradient(monkeypatch):
     opt = torch.optim.AdamW(m.parameters(), lr=0.1)
     real = update.pg_loss
 
-    def inf_loss(*a, **k):  # the value is inf, the gradient the surrogate's (a constant adds nothing)
+    # the value is inf, the gradient the surrogate's (a constant adds nothing)
+    def inf_loss(*a, **k):
         loss, s = real(*a, **k)
         return loss + float("inf"), s
 
     monkeypatch.setattr(update, "pg_loss", inf_loss)
     stats = update.train_on(config.Config(micro_batch=4), m, opt, ids, tmask, adv, world=1)["stats"]
-    assert stats[3].item() == 1 and all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert stats[3].item() == 1 and all(torch.equal(before[k], v)
+                                        for k, v in m.state_dict().items())
 
 
 def test_dropout_acts_only_in_the_training_forward():
@@ -109,10 +117,11 @@ def test_overlong_filtering_drops_truncated_rows_from_the_loss_but_not_from_the_
     mask = torch.ones(4, 3, dtype=torch.bool)
     kept = [(0, toks, mask, torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4, 3), None,
              torch.tensor([False, True, False, False]))]
-    ids, tmask, adv, roll = update.batch_from_groups(kept, [[1, 2]], G, 0, 1e-6, torch.device("cpu"),
-                                                     drop_rows=kept[0][6])
+    ids, tmask, adv, roll = update.batch_from_groups(kept, [[1, 2]], G, 0, 1e-6,
+                                                     torch.device("cpu"), drop_rows=kept[0][6])
     assert tmask[1].sum() == 0 and tmask[0].sum() == 3 and tmask[2].sum() == 3
-    assert torch.allclose(adv, torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-4)  # the group's mean keeps row 1
+    # the group's mean keeps row 1
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-4)
 
 
 def test_one_optimizer_step_skips_the_old_logprob_pass_and_updates_the_same(monkeypatch):
@@ -130,8 +139,8 @@ def test_one_optimizer_step_skips_the_old_logprob_pass_and_updates_the_same(monk
         m = tiny()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         calls.clear()
-        out = update.train_on(config.Config(micro_batch=2), m, opt, ids, tmask, adv, world=1, rollout_logp=roll,
-                              dense_dist=dense_dist)
+        out = update.train_on(config.Config(micro_batch=2), m, opt, ids, tmask, adv, world=1,
+                              rollout_logp=roll, dense_dist=dense_dist)
         after[name] = (len(calls), m.state_dict(), out["sample_alpha_mean"], out["stats"][0].item())
     assert after["one pass"][0] == 2 and after["with the old pass"][0] == 4  # 2 micro-batches
     one, two = after["one pass"], after["with the old pass"]

@@ -1,0 +1,48 @@
+"""The embedded default as a demonstration: held-out problems never trained on, accuracy per difficulty
+(pass@1 and pass@k of the start, pass@1 after RL), example completions before and after, and a warm start
+cached by its settings rather than by the output folder."""
+import os
+
+import config
+import report
+import train
+from tasks import load_problems, make_synthetic, sft_problems
+from test_train import TINY_RUN
+from warmstart import cache_path
+
+
+def test_held_out_problems_share_no_prompt_with_the_pool_or_the_sft_data():
+    cfg = config.parse_config(["--n_train=3000", "--n_eval=200", "--difficulty=(2,3)", "--sft_steps=100"])
+    pool, held = load_problems(cfg)
+    seen = {p.prompt for p in pool + sft_problems(cfg)}
+    assert len(held) == 200 and not ({p.prompt for p in held} & seen)
+    raw = make_synthetic(200, cfg.seed + 10_000, (2, 3))  # what the held-out set was before the filter
+    assert {p.prompt for p in raw} & seen  # short chains do collide: the filter is not idle
+
+
+def test_a_run_reports_accuracy_per_difficulty_and_examples(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    hist = train.main(TINY_RUN + ["--steps=2", "--eval_difficulty=(1,3)", "--eval_sampled=true",
+                                  "--n_eval=12", "--plot=true", f"--out_dir={out}", "--save_every=100"])
+    start = hist["start"]
+    assert sorted(start["greedy"]) == [1, 2, 3] and sorted(start["pass@4"]) == [1, 2, 3]
+    assert all(start["pass@4"][d] >= start["pass@1"][d] for d in (1, 2, 3))  # any of 4 >= one
+    assert sorted(hist["records"][-1]["acc_by_difficulty"]) == [1, 2, 3]
+    assert len(hist["examples"]) == 3 and all("before" in e and "after" in e for e in hist["examples"])
+    text = capsys.readouterr().out
+    assert "held-out accuracy by difficulty" in text and "before RL:" in text and "after RL:" in text
+    assert os.path.exists(os.path.join(out, "run.png"))
+    lines = report.per_difficulty(hist, hist["records"][-1], 4)
+    assert len(lines) == 3 + 3 and all(len(line) <= 100 for line in lines)
+
+
+def test_the_warm_start_is_cached_by_its_settings_not_by_the_output_folder(tmp_path, capsys):
+    a = TINY_RUN + ["--steps=1", f"--out_dir={tmp_path / 'a'}", "--save_every=100"]
+    b = TINY_RUN + ["--steps=1", f"--out_dir={tmp_path / 'b'}", "--save_every=100", "--lr=5e-3"]
+    train.main(a)
+    capsys.readouterr()
+    train.main(b)  # another folder, other RL settings: the same warm start
+    assert "loading the cached SFT model" in capsys.readouterr().out
+    ca, cb = (cache_path(config.parse_config(x)) for x in (a, b))
+    assert ca == cb and os.path.isdir(ca)
+    assert cache_path(config.parse_config(a + ["--sft_steps=4"])) != ca  # an SFT setting: a new one
