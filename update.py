@@ -6,8 +6,7 @@ one batch.
     ids, tmask, adv, roll = batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev)
     out = train_on(cfg, model, opt, ids, tmask, adv, world=1,
                    rollout_logp=roll)  # out["stats"], is_cut
-    python -m pytest -q tests/test_train.py -k
-        "advantage or loss or weights or logprobs or nonfinite"
+    python -m pytest -q tests/test_update.py tests/test_train.py
 
 The loss, per sampled token t of completion i in group g:
     A_i     = (r_i - mean_g r) / (std_g r + eps)                 group-normalised advantage
@@ -16,7 +15,7 @@ The loss, per sampled token t of completion i in group g:
                                                                  clip-higher (DAPO)
               times w_t = min(p_old / p_rollout, is_cap) (TIS, the default; or MIS, or none)
             + kl_coef * KL_t(policy || reference)                optional, off by default
-                                                                 (k3 estimator)
+                                                                 (kl_loss: k2 or k3)
     loss    = sum_t loss_t / (number of sampled tokens in the batch)    token-level aggregation
 
 Simplifications:
