@@ -137,6 +137,9 @@ class Config:
     # stop the run after this many optimizer steps in a row skipped for NaN/inf
     max_skipped: int = 3
     # > 0: train a LoRA adapter of this rank on every linear layer instead of all weights
+    # "N:M" (e.g. "2:4"): the policy is pruned N:M at the start (magnitude) and trains under that
+    # fixed mask: only the active weights change, and a delta sync ships only what changed
+    nm: str = ""
     lora_r: int = 0
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
@@ -290,6 +293,12 @@ def check(cfg):
             and not 0 < int(cfg.rollout_copy.split(":")[0].lstrip("nm"))
             <= int(cfg.rollout_copy.split(":")[1])):
         raise bad("rollout_copy", "same, bf16, fp8 or nmN:M with 0 < N <= M")
+    if cfg.nm and (not re.fullmatch(r"\d+:\d+", cfg.nm)
+                   or not 0 < int(cfg.nm.split(":")[0]) <= int(cfg.nm.split(":")[1])):
+        raise bad("nm", "empty or N:M with 0 < N <= M, e.g. 2:4")
+    if cfg.nm and (cfg.lora_r or cfg.fsdp):
+        raise bad("nm", "empty with lora_r or fsdp (an adapter's update is dense; masks are not "
+                        "sharded)")
     check_kv_budget(cfg)
     check_processes(cfg)
 

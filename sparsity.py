@@ -53,15 +53,19 @@ Collapse shows in the tail, not the mean: Sparrow keeps the 5th percentile per 2
 0.86. The budget schedule that holds that tail, its calibration sweep and its online controller are
 calibrate.py's.
 
-N:M weight masks (the last section): `nm_mask(w, n, m)` keeps the n largest |w| of every m
-consecutive inputs in each output row (Wanda's |W| * ||X|| scores can be passed instead), and
-`apply_nm(model, 2, 4)` prunes every Linear of a model in place, the head and the MoE router
-excepted. copies.make_rollout_copy("nm2:4") builds the pruned rollout copy.
-Simplification: magnitude masks recomputed from the current weights, no calibration and no learned
-masks (RoI, MaskLLM); masked dense, so a 2:4 kernel (`to_sparse_semi_structured`) is what would turn
-the zeros into speed.
+N:M weight masks (the last sections): `nm_mask(w, n, m)` keeps the n best of every m consecutive
+inputs in each output row, by |w| or by given scores; `apply_nm(model, 2, 4)` prunes every Linear
+in place (NM_SKIP: the head, the embeddings and the MoE router stay dense), with magnitude or
+`wanda_scores(model, batches)` (|W| * ||X||_2 per input channel, from a forward pre-hook over
+calibration batches). `SRSTE(model, 2, 4)` fine-tunes dense weights through their N:M masks
+(SR-STE: straight-through gradient plus a decay on the pruned weights, masks recomputed every k
+steps); `MaskedParams(model, masks)` keeps fixed masks through optimizer steps. copies.py's
+"nm2:4" rollout copy uses apply_nm; roi.py learns masks (RoI) and compares the methods.
+Simplifications: masked dense, so a 2:4 kernel (`to_sparse_semi_structured`) is what would turn the
+zeros into speed; the weight is the (out, in) matrix of an nn.Linear, grouped along its inputs.
 
-Tests: `python -m pytest tests/test_sparsity.py tests/test_mismatch.py tests/test_copies.py`.
+Tests: `python -m pytest tests/test_sparsity.py tests/test_mismatch.py tests/test_copies.py
+tests/test_nm.py`.
 """
 
 import math
@@ -364,6 +368,10 @@ def dense_alpha(model, prompt_ids, ro, temperature=1.0, micro_batch=16, chunk=40
 
 # ----------------------------------------------------------------------------- N:M weight masks
 
+# left dense: the output head (tied to the embeddings in small models) and the MoE router
+# ("mlp.gate.weight"; "gate." does not match "gate_proj"), whose few, small logits decide routing
+NM_SKIP = ("lm_head", "embed", "gate.")
+
 
 def nm_mask(weight, n, m, scores=None):
     """weight (out, in) -> bool mask (out, in) that keeps, in every output row, the n best of each m
@@ -390,22 +398,220 @@ def nm_mask(weight, n, m, scores=None):
     return mask.reshape(out_f, in_f)
 
 
+def nm_linears(model, skip=NM_SKIP):
+    """{weight name: nn.Linear} of the layers that N:M prunes: every nn.Linear whose weight name
+    contains none of the `skip` substrings. A DDP wrapper is looked through."""
+    model = getattr(model, "module", model)
+    return {f"{name}.weight": mod for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.Linear) and not any(s in f"{name}.weight" for s in skip)}
+
+
 @torch.no_grad()
-def apply_nm(model, n, m, skip=("lm_head", "embed", "gate.")):
-    """Zero the pruned weights of every nn.Linear in place, magnitude N:M, and return
-    {weight name: mask}. `skip` holds substrings of weight names left dense: the output head (tied
-    to the embeddings in small models) and the MoE router ("mlp.gate.weight"; "gate." does not match
-    "gate_proj"), whose few, small logits decide routing. Pruning is masked dense: the zeros are
-    stored, so it saves compute only with a 2:4 kernel."""
+def apply_nm(model, n, m, skip=NM_SKIP, scores=None):
+    """Zero the pruned weights of every nn.Linear in place and return {weight name: mask}. The
+    mask keeps the largest |w| (magnitude), or the largest `scores[weight name]` when a dict of
+    scores is given (wanda_scores' output, say). `skip` holds substrings of weight names left
+    dense (NM_SKIP). Pruning is masked dense: the zeros are stored, so it saves compute only with a
+    2:4 kernel."""
     masks = {}
-    for name, mod in model.named_modules():
-        wname = f"{name}.weight"
-        if not isinstance(mod, torch.nn.Linear) or any(s in wname for s in skip):
-            continue
+    for wname, mod in nm_linears(model, skip).items():
+        if scores is not None and wname not in scores:
+            raise KeyError(f"apply_nm: no scores for {wname}")
         try:
-            mask = nm_mask(mod.weight, n, m)
+            mask = nm_mask(mod.weight, n, m, None if scores is None else scores[wname])
         except ValueError as e:
-            raise ValueError(f"apply_nm: layer {name}: {e}") from None
+            raise ValueError(f"apply_nm: layer {wname[:-len('.weight')]}: {e}") from None
         mod.weight.masked_fill_(~mask, 0)
         masks[wname] = mask
     return masks
+
+
+@torch.no_grad()
+def input_norms(model, batches, skip=NM_SKIP):
+    """Wanda's calibration statistic: the L2 norm of each input channel of every prunable Linear
+    over all calibration tokens -> {weight name: (in,) fp32}. `batches` yields model inputs ((B, T)
+    token ids), or (ids, valid) pairs whose (B, T) bool `valid` marks the real tokens, so that
+    padding does not count. A forward pre-hook per layer sums x**2 per channel. An MoE expert's
+    input arrives flattened to its routed tokens, so `valid` cannot select there: its padding
+    tokens count."""
+    layers = nm_linears(model, skip)
+    sq = {k: torch.zeros(mod.in_features, device=mod.weight.device) for k, mod in layers.items()}
+    state = {"valid": None}
+
+    def hook(name):
+        def fn(mod, args):
+            x, valid = args[0].detach(), state["valid"]
+            if valid is not None and x.shape[:-1] == valid.shape:
+                x = x[valid]
+            sq[name] += x.float().reshape(-1, x.shape[-1]).pow(2).sum(0)
+        return fn
+
+    handles = [mod.register_forward_pre_hook(hook(k)) for k, mod in layers.items()]
+    dev = next(iter(layers.values())).weight.device if layers else "cpu"
+    try:
+        for b in batches:
+            ids, valid = b if isinstance(b, (tuple, list)) else (b, None)
+            state["valid"] = None if valid is None else valid.to(dev)
+            model(ids.to(dev))
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: v.sqrt() for k, v in sq.items()}
+
+
+def wanda_scores(model, batches, skip=NM_SKIP):
+    """{weight name: |W| * ||X||_2}, Wanda's score, with the input norms over `batches` (see
+    input_norms). Pass it to apply_nm(model, n, m, scores=...)."""
+    norms = input_norms(model, batches, skip)
+    return {k: mod.weight.detach().abs() * norms[k][None].to(mod.weight.dtype)
+            for k, mod in nm_linears(model, skip).items()}
+
+
+# --------------------------------------------------------- SR-STE: train dense, run N:M
+
+
+class SRSTEFunction(torch.autograd.Function):
+    """SR-STE's masked weight. Forward: W * mask. Backward: the gradient of the masked weight goes
+    straight through to every entry of W (dense), plus decay * (1 - mask) * W, which pulls the
+    pruned weights toward zero so that the mask settles (the "sparse-refined" term)."""
+
+    @staticmethod
+    def forward(ctx, weight, mask, decay):
+        ctx.save_for_backward(weight, mask)
+        ctx.decay = decay
+        return weight * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, mask = ctx.saved_tensors
+        return grad + ctx.decay * weight * ~mask, None, None
+
+
+class NMLinear(torch.nn.Module):
+    """A Linear trained by SR-STE: forward with its N:M-masked weight, backward through
+    SRSTEFunction. It holds the wrapped Linear's own weight and bias Parameters (the bias is never
+    masked), so the optimizer and state_dict see the same tensors under the same names; the mask is
+    a non-persistent buffer, so a checkpoint holds the dense weights."""
+
+    def __init__(self, linear, n, m, decay):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.n, self.m, self.decay = n, m, decay
+        self.weight, self.bias = linear.weight, linear.bias
+        self.register_buffer("mask", nm_mask(linear.weight, n, m), persistent=False)
+
+    @torch.no_grad()
+    def remask(self):
+        self.mask.copy_(nm_mask(self.weight, self.n, self.m))
+
+    def forward(self, x):
+        return F.linear(x, SRSTEFunction.apply(self.weight, self.mask, self.decay), self.bias)
+
+
+class SRSTE:
+    """SR-STE fine-tuning of a whole model: every prunable Linear (nm_linears) becomes an NMLinear,
+    in place; the optimizer keeps updating the dense weights.
+
+        sr = SRSTE(model, 2, 4, decay=2e-4, every=1)
+        loss.backward(); opt.step(); sr.step()   # counts steps; magnitude masks anew every `every`
+        masks = sr.remove()                      # plain Linears again, pruned weights zeroed
+
+    Each backward adds the decay once, so with gradient accumulation it counts once per micro-batch.
+    """
+
+    def __init__(self, model, n, m, decay=2e-4, every=1, skip=NM_SKIP):
+        if every < 1:
+            raise ValueError(f"SRSTE: every must be >= 1, got {every}")
+        self.model, self.every, self.steps = getattr(model, "module", model), every, 0
+        self.layers, self.linears = {}, nm_linears(model, skip)
+        for wname, lin in self.linears.items():
+            name = wname[:-len(".weight")]
+            try:
+                self.layers[wname] = NMLinear(lin, n, m, decay)
+            except ValueError as e:
+                raise ValueError(f"SRSTE: layer {name}: {e}") from None
+        for wname, layer in self.layers.items():
+            self._swap(wname, layer)
+
+    def _swap(self, wname, module):
+        parent, _, child = wname[:-len(".weight")].rpartition(".")
+        setattr(self.model.get_submodule(parent), child, module)
+
+    def step(self):
+        """Call after each optimizer step: every `every` steps the masks follow the weights."""
+        self.steps += 1
+        if self.steps % self.every == 0:
+            for layer in self.layers.values():
+                layer.remask()
+
+    def masks(self):
+        return {k: layer.mask.clone() for k, layer in self.layers.items()}
+
+    @torch.no_grad()
+    def remove(self):
+        """Bake: the final magnitude masks of the final weights zero the pruned entries, the
+        original nn.Linear modules go back in place -> {weight name: mask}."""
+        for wname, layer in self.layers.items():
+            layer.remask()
+            layer.weight.masked_fill_(~layer.mask, 0)
+            self._swap(wname, self.linears[wname])
+        return self.masks()
+
+
+# ------------------------------------------------------- a fixed mask: only active weights move
+
+
+class MaskedParams:
+    """Fixed masks, {parameter name: bool tensor, True = active}: pruned entries get no gradient
+    before the optimizer step and are set back to exactly 0 after it, so neither Adam's moments
+    nor weight decay can move them.
+
+        mp = MaskedParams(model, apply_nm(model, 2, 4))
+        loss.backward(); mp.mask_grads(); clip_grad_norm_(...); opt.step(); mp.mask_weights()
+        mp.step(opt)                             # the last three in one call, no clipping
+        mp = MaskedParams.from_model(model, 2, 4)   # the masks of an already N:M model (resume)
+    """
+
+    def __init__(self, model, masks):
+        params = dict(getattr(model, "module", model).named_parameters())
+        missing = sorted(set(masks) - set(params))
+        if missing:
+            raise KeyError(f"MaskedParams: the model has no parameters {missing[:5]}")
+        for k, mask in masks.items():
+            if mask.shape != params[k].shape or mask.dtype != torch.bool:
+                raise ValueError(f"MaskedParams: mask for {k} is {mask.dtype} "
+                                 f"{tuple(mask.shape)}, the parameter {tuple(params[k].shape)}")
+        self.masks = {k: v.to(params[k].device) for k, v in masks.items()}
+        self.params = {k: params[k] for k in masks}
+
+    @classmethod
+    def from_model(cls, model, n, m, skip=NM_SKIP):
+        """Masks read off a model that is already N:M (an `roi.py` output, a checkpoint of a masked
+        run): its pruned weights are exactly 0, so magnitude keeps its active ones (unless an
+        active weight is itself exactly 0). Refuses a model that is not N:M there."""
+        masks = {k: nm_mask(mod.weight, n, m) for k, mod in nm_linears(model, skip).items()}
+        bad = [k for k, mod in nm_linears(model, skip).items() if mod.weight[~masks[k]].any()]
+        if bad:
+            raise ValueError(f"MaskedParams.from_model: {bad[:3]} are not {n}:{m} sparse")
+        return cls(model, masks)
+
+    @torch.no_grad()
+    def mask_grads(self):
+        for k, p in self.params.items():
+            if p.grad is not None:
+                p.grad.masked_fill_(~self.masks[k], 0)
+
+    @torch.no_grad()
+    def mask_weights(self):
+        for k, p in self.params.items():
+            p.masked_fill_(~self.masks[k], 0)
+
+    def step(self, opt):
+        self.mask_grads()
+        opt.step()
+        self.mask_weights()
+
+    @torch.no_grad()
+    def leaked(self):
+        """How many pruned entries are not exactly 0 (0 unless something bypassed the masks)."""
+        return sum(int(p[~self.masks[k]].count_nonzero()) for k, p in self.params.items())

@@ -58,7 +58,7 @@ from prompts import group_has_signal, make_sampler, refill_size
 from report import by_difficulty, examples, plot, step_lines, summary
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
-from sparsity import alpha_k, dense_alpha
+from sparsity import MaskedParams, alpha_k, apply_nm, dense_alpha
 from tasks import encode_pool, load_problems
 from update import batch_from_groups, lr_at, pg_loss, train_on
 from warmstart import build_policy, cache_path
@@ -90,6 +90,7 @@ class Run:
     dense_engine: Engine = None  # kv_compare_every > 0: dense, for the in-run speed comparison
     sender: object = None  # disaggregated: stage 5's ends (a Sender on trainer 0, Receivers)
     receiver: object = None
+    masked: MaskedParams = None  # nm: the policy's fixed N:M masks (only active weights train)
 
 
 def build(cfg, rank, world, dev, role, log):
@@ -102,6 +103,8 @@ def build(cfg, rank, world, dev, role, log):
     eval_p, eval_ids = encode_pool(tok, eval_p, cfg, ctx, log)
     if cfg.lora_r:
         add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout)
+    n_m = [int(x) for x in cfg.nm.split(":")] if cfg.nm else None  # pruned before ranks sync
+    masked = MaskedParams(model, apply_nm(model, *n_m)) if n_m else None
     if world > 1:  # the ranks start from the same weights (the adapter's random init included)
         for p in model.parameters():
             torch.distributed.broadcast(p.data, 0)
@@ -139,7 +142,7 @@ def build(cfg, rank, world, dev, role, log):
     sender, receiver = parallel.shipper(model, role)
     return Run(role, world, dev, model, tok, rollout_model, engine, greedy, cascade, opt, sampler,
                amp, train_ids, eval_p, eval_ids, measure, replica, ref_model, schedule, controller,
-               distill, dense_engine, sender, receiver)
+               distill, dense_engine, sender, receiver, masked)
 
 
 def main(argv):
@@ -351,7 +354,7 @@ def learn(cfg, run, kept):
                                               run.engine.pad_id, cfg.adv_eps,
                                               run.model.lm_head.weight.device, cfg.adv_norm, drop)
     out = train_on(cfg, run.model, run.opt, ids, tmask, adv, n, roll, group, run.ref_model,
-                   dense_dist=run.distill is not None)
+                   dense_dist=run.distill is not None, masked=run.masked)
     stats = out.pop("stats")  # loss sum, tokens, clipped, skipped, grad norm
     dense_full = out.pop("_dense_full", None)
     if run.distill is not None and kept and dense_full is not None:  # rollout-only, toward dense

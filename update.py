@@ -224,11 +224,15 @@ def reference_logprobs(cfg, model, ids, tmask, packed, full=False):
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def optimizer_step(cfg, model, opt, world, group, loss_ok=True):
+def optimizer_step(cfg, model, opt, world, group, loss_ok=True, masked=None):
     """Sum the gradients over ranks, clip, and step; a NaN or inf loss or gradient norm on any rank
-    skips the step on all of them. Returns the gradient norm, or None when the step was skipped."""
+    skips the step on all of them. `masked` (sparsity.MaskedParams, N:M training): pruned entries
+    get no gradient (nor a share of the norm) and stay exactly 0. Returns the gradient norm, or None
+    when the step was skipped."""
     if not cfg.fsdp:  # FSDP reduce-scatters the gradients itself
         allreduce_grads(model, world, group)
+    if masked is not None:
+        masked.mask_grads()
     gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
                                         cfg.grad_clip)
     gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # a DTensor under FSDP
@@ -239,11 +243,13 @@ def optimizer_step(cfg, model, opt, world, group, loss_ok=True):
         opt.zero_grad(set_to_none=True)
         return None
     opt.step()
+    if masked is not None:  # Adam's moments and weight decay would move a pruned weight otherwise
+        masked.mask_weights()
     return gn
 
 
 def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=None, ref_model=None,
-             dense_dist=False):
+             dense_dist=False, masked=None):
     """`passes` x `minibatches` optimizer steps over one batch of kept rollouts (the same count on
     every rank, whatever its share of the batch). Token-level loss over the global minibatch.
     `rollout_logp` (N, T), the rollout policy's log-probs at the target positions, drives the IS
@@ -302,7 +308,7 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
                 loss_ok &= bool(torch.isfinite(loss))
                 stats[0] += loss.item()
                 stats[2] += s["clipped"]
-            gn = optimizer_step(cfg, model, opt, world, group, loss_ok)
+            gn = optimizer_step(cfg, model, opt, world, group, loss_ok, masked)
             if gn is None:
                 stats[3] += 1
             else:

@@ -13,10 +13,12 @@ import config
 import report
 import train
 import update
+from model import Transformer
 from prompts import GrowthZoneSampler
 from tasks import Problem
 from fake_reward import use_parity_reward
 from test_train import TINY_RUN
+from warmstart import cache_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,3 +190,30 @@ def test_overlong_punishment_and_filtering_in_the_loop(tmp_path, monkeypatch):
     drops = [d for ks, d in got if ks]
     assert drops and all(d is not None for d in drops)
     assert torch.equal(torch.cat(drops), cut)  # ...and, filtered, leaves the loss
+
+
+def test_nm_training_keeps_the_pruned_weights_at_exactly_zero(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    from sparsity import nm_linears
+    use_parity_reward(monkeypatch.setattr)
+    seen, real = [], update.optimizer_step
+
+    def spy(cfg, model, *a, **k):  # after every optimizer step: still 2 of every 4, the rest exactly 0
+        out = real(cfg, model, *a, **k)
+        seen.append(all((mod.weight.view(-1, 4) != 0).sum(-1).le(2).all()
+                        for mod in nm_linears(model).values()))
+        return out
+
+    monkeypatch.setattr(update, "optimizer_step", spy)
+    recs = train.main(TINY_RUN + ["--steps=2", "--nm=2:4", f"--out_dir={tmp_path}"])["records"]
+    assert any(r["tokens"] > 0 for r in recs) and seen and all(seen)
+    ws = Transformer.from_pretrained(cache_path(config.parse_config(TINY_RUN + [f"--out_dir={tmp_path}"])))
+    final = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    for name in nm_linears(ws):
+        w0, w = ws.state_dict()[name], final[name]
+        assert ((w != 0).view(-1, 4).sum(-1) <= 2).all()  # N:M at the end too
+        pruned = w0.abs().view(-1, 4).argsort(-1)[:, :2]  # the warm start's two smallest of each four
+        assert (w.view(-1, 4).gather(1, pruned) == 0).all()
+        assert not torch.equal(w, w0)  # and the active weights did train
+    with pytest.raises(ValueError, match="'nm'"):
+        config.parse_config(["--nm=2:4", "--lora_r=4"])

@@ -1,0 +1,537 @@
+"""
+roi.py: stage 4's N:M masks, learned (RoI, "Reservoir of Importance") or one-shot, for a saved
+model; and the comparison of the mask methods on a small model that the project trains itself.
+
+    python roi.py learn MODEL_DIR --nm=2:4 --steps=300 --out=OUT_DIR  # RoI, distilled from dense
+    python roi.py apply MODEL_DIR --nm=2:4 --scores=wanda --out=OUT_DIR  # one-shot mask
+    python roi.py compare --out_dir=out/roi --threads=1 --steps=30  # and 150: bench/RESULTS.md
+
+MODEL_DIR is a Hugging Face folder (model.Transformer.from_pretrained) with its tokenizer; OUT_DIR
+gets the masked model (save_pretrained: pruned weights stored as zeros) and the tokenizer. The
+data is the synthetic task's problems with their reference traces (prompt + trace + EOS).
+
+How RoI learns a mask (a group is m consecutive inputs of one output row, as in sparsity.nm_mask):
+    1. The model's weights are frozen; every prunable Linear (sparsity.NM_SKIP: not the head, the
+       embeddings or the MoE router) gets m logits phi per group.
+    2. Each training forward samples a soft mask per group by relaxed top-k (sampling without
+       replacement): kappa = phi / lambda + Gumbel noise; alpha_1 = kappa; for k = 1..n:
+       mu_k = softmax(alpha_k / tau), alpha_{k+1} = alpha_k + log(1 - mu_k). The soft mask is
+       sum_k mu_k (n in total per group); the layer computes with W * soft mask.
+    3. tau decays from 1.0 to 0.05 and lambda from 1.0 to 0.002, exponentially over the first 75%
+       of the steps, then holds.
+    4. The loss: KL(dense || masked) on the completion tokens (--loss=kd; the teacher is the same
+       layers with their masks off) or the next-token loss on them (--loss=lm). Adam on phi.
+    5. The final mask keeps the n largest logits of each group; it is baked into the weights.
+
+Simplifications:
+    1. phi starts at init_scale * score / (mean score of its group), the score being magnitude or
+       Wanda (--init): the first samples are near the one-shot mask (RoI's paper gives no init).
+    2. The soft mask in the forward, never straight-through (RoI's authors found straight-through
+       worse); one Gumbel draw per forward, shared by the batch.
+    3. Data: synthetic traces only (any tokenizer works; other tasks are not wired): training
+       problems from seed + 30,000, Wanda's 128 calibration problems from seed + 40,000, both
+       without the held-out prompts (tasks.load_problems' held-out set, the RL loop's).
+    4. Masked dense: the zeros are stored, so the masked model is no faster without a 2:4 kernel.
+    5. compare: one seed, one small model (the tiny default's warm start, with a clean teacher:
+       sft_noise 0). Perplexity is exp(mean NLL of the reference completion tokens given the
+       prompt) on the held-out problems; accuracy is greedy, scored by reward.score. SR-STE and
+       RoI get the same steps, batch and loss (KL to the dense model by default).
+
+Tests: `python -m pytest -q tests/test_nm.py`.
+"""
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from config import cli, parse_config
+from model import Transformer
+from reward import score
+from rollout import Engine
+from sparsity import NM_SKIP, SRSTE, apply_nm, nm_linears, nm_mask, wanda_scores
+from tasks import format_prompt, load_problems, make_synthetic, synthetic_trace
+from warmstart import build_policy
+
+TRAIN_SEED, CALIB_SEED = 30_000, 40_000  # offsets from the run's seed: data of their own
+CALIB_PROBLEMS = 128  # Wanda's calibration set: as many sequences as Wanda's 128
+
+
+# ----------------------------------------------------------------------------- data and losses
+
+
+def trace_batches(tok, problems, batch):
+    """Problems -> [(ids, tmask, valid)] right-padded (B, T) batches of prompt + reference trace +
+    EOS. tmask marks the positions whose next token is a completion token (as update.build_batch
+    does), valid the real tokens."""
+    out = []
+    for a in range(0, len(problems), batch):
+        chunk = problems[a:a + batch]
+        prompts = [tok.encode(format_prompt(tok, p, True), add_special_tokens=False)
+                   for p in chunk]
+        comps = [tok.encode(synthetic_trace(p), add_special_tokens=False) + [tok.eos_token_id]
+                 for p in chunk]
+        T = max(len(p) + len(c) for p, c in zip(prompts, comps))
+        ids = torch.full((len(chunk), T), tok.pad_token_id, dtype=torch.long)
+        tmask = torch.zeros(len(chunk), T, dtype=torch.bool)
+        valid = torch.zeros(len(chunk), T, dtype=torch.bool)
+        for i, (p, c) in enumerate(zip(prompts, comps)):
+            ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+            tmask[i, len(p) - 1:len(p) + len(c) - 1] = True
+            valid[i, :len(p) + len(c)] = True
+        out.append((ids, tmask, valid))
+    return out
+
+
+def completion_logits(model, ids, tmask):
+    """(M, V) fp32 logits at the tmask positions, and their (M,) target tokens; only those
+    positions are projected onto the vocabulary."""
+    dev = model.lm_head.weight.device
+    ids, tmask = ids.to(dev), tmask.to(dev)
+    h = model(ids, hidden=True)
+    return model.lm_head(h[tmask]).float(), torch.roll(ids, -1, 1)[tmask]
+
+
+def kd_loss(logits, teacher_logits):
+    """KL(teacher || student) per scored token, averaged: the student matches the dense model's
+    whole distribution, not just its top token."""
+    return F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher_logits, -1),
+                    log_target=True, reduction="batchmean")
+
+
+def train_loss(model, ids, tmask, loss, teacher):
+    """--loss=lm: next-token NLL of the completion; --loss=kd: KL to teacher(), a callable that
+    returns the dense logits at the same positions."""
+    logits, tgt = completion_logits(model, ids, tmask)
+    if loss == "lm":
+        return F.cross_entropy(logits, tgt)
+    with torch.no_grad():
+        t_logits, _ = teacher()
+    return kd_loss(logits, t_logits)
+
+
+# ----------------------------------------------------------------------------- RoI
+
+
+def anneal(step, steps, start, end, frac=0.75):
+    """Exponential from `start` to `end` over the first `frac` of `steps`, then `end`."""
+    t = min(1.0, step / max(1.0, frac * steps))
+    return start * (end / start) ** t
+
+
+def relaxed_topk(logits, n, tau, lam, noise=True):
+    """logits (..., m) -> soft mask (..., m): n rounds of relaxed top-k (module docstring, step
+    2); each round's softmax sums to 1, so a group's soft mask sums to n. log(1 - mu_i) is taken
+    as logsumexp_{j != i}(alpha_j / tau) - logsumexp_j(alpha_j / tau), the same number without
+    the rounding of 1 - mu to 0: late in the schedule alpha / tau reaches 1e4 and mu is exactly 1
+    in float32, and a clamped log(1 - mu) (-87 at most) would let the top entry win every round.
+    Below tau = 1 it is a relaxation: an entry far ahead of the others can still be taken twice
+    (a soft value near 2); the final mask is the top n of the logits all the same."""
+    kappa = logits / lam
+    if noise:  # -log(E), E ~ Exp(1), is Gumbel(0, 1)
+        kappa = kappa - torch.empty_like(logits).exponential_().log()
+    m = logits.shape[-1]
+    others = torch.eye(m, dtype=torch.bool, device=logits.device)  # row i: every j but i
+    alpha, soft = kappa, torch.zeros_like(logits)
+    for k in range(n):
+        z = alpha / tau
+        lse = z.logsumexp(-1, keepdim=True)
+        soft = soft + (z - lse).exp()
+        if k < n - 1:  # (..., m, m) -> (..., m): log(1 - mu) for every entry at once
+            alpha = alpha + z.unsqueeze(-2).masked_fill(others, float("-inf")).logsumexp(-1) - lse
+    return soft
+
+
+class RoILinear(nn.Module):
+    """A Linear with frozen weight and bias (the wrapped Linear's own Parameters) and m logits per
+    group. Training mode samples a soft mask (relaxed_topk at the layer's tau and lam); eval mode
+    uses the hard mask (top n logits); `masked = False` gives the dense output (the KD teacher)."""
+
+    def __init__(self, linear, n, m, scores, init_scale):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.n, self.m, self.tau, self.lam, self.masked = n, m, 1.0, 1.0, True
+        self.weight, self.bias = linear.weight, linear.bias
+        nm_mask(linear.weight, n, m)  # the shape checks, with their messages
+        s = scores.detach().float().reshape(self.out_features, -1, m)
+        self.logits = nn.Parameter(init_scale * s / s.mean(-1, keepdim=True).clamp_min(1e-12))
+
+    def hard_mask(self):
+        """(out, in) bool: the n largest logits of every group."""
+        return nm_mask(self.logits.detach().reshape(self.weight.shape), self.n, self.m)
+
+    def forward(self, x):
+        if not self.masked:
+            return F.linear(x, self.weight, self.bias)
+        if self.training:
+            mask = relaxed_topk(self.logits, self.n, self.tau, self.lam).reshape(self.weight.shape)
+        else:
+            mask = self.hard_mask()
+        return F.linear(x, self.weight * mask.to(self.weight.dtype), self.bias)
+
+
+class RoI:
+    """RoI on a whole model, in place: every prunable Linear becomes a RoILinear and every
+    parameter of the model is frozen.
+
+        roi = RoI(model, 2, 4, scores=wanda_scores(model, batches))   # None: magnitude
+        opt = torch.optim.Adam(roi.parameters(), lr=0.05)
+        roi.set_schedule(tau, lam); loss.backward(); opt.step()
+        with roi.dense(): teacher_logits = model(ids)
+        masks = roi.remove()   # plain Linears, pruned weights zeroed, requires_grad restored
+    """
+
+    def __init__(self, model, n, m, scores=None, init_scale=2.0, skip=NM_SKIP):
+        self.model = getattr(model, "module", model)
+        self.grad_flags = {p: p.requires_grad for p in self.model.parameters()}
+        self.linears, self.layers = nm_linears(self.model, skip), {}
+        for wname, lin in self.linears.items():
+            s = lin.weight.abs() if scores is None else scores[wname]
+            try:
+                self.layers[wname] = RoILinear(lin, n, m, s, init_scale)
+            except ValueError as e:
+                raise ValueError(f"RoI: layer {wname[:-len('.weight')]}: {e}") from None
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        for wname, layer in self.layers.items():
+            self._swap(wname, layer)
+
+    def _swap(self, wname, module):
+        parent, _, child = wname[:-len(".weight")].rpartition(".")
+        setattr(self.model.get_submodule(parent), child, module)
+
+    def parameters(self):
+        return [layer.logits for layer in self.layers.values()]
+
+    def set_schedule(self, tau, lam):
+        for layer in self.layers.values():
+            layer.tau, layer.lam = tau, lam
+
+    @contextlib.contextmanager
+    def dense(self):
+        """The unmasked model inside the block (a teacher that costs no second copy)."""
+        for layer in self.layers.values():
+            layer.masked = False
+        try:
+            yield
+        finally:
+            for layer in self.layers.values():
+                layer.masked = True
+
+    @torch.no_grad()
+    def remove(self):
+        """Bake the hard masks into the weights, put the nn.Linear modules back -> masks."""
+        masks = {}
+        for wname, layer in self.layers.items():
+            masks[wname] = layer.hard_mask()
+            layer.weight.masked_fill_(~masks[wname], 0)
+            self._swap(wname, self.linears[wname])
+        for p, flag in self.grad_flags.items():
+            p.requires_grad_(flag)
+        return masks
+
+
+# ----------------------------------------------------------------------------- the methods
+
+
+def synthetic_problems(cfg, n, offset, exclude=frozenset()):
+    """n synthetic problems (cfg's difficulty and order) from seed cfg.seed + offset, none with a
+    prompt in `exclude` (the held-out prompts: training and calibration never see them)."""
+    drawn = make_synthetic(2 * n + 100, cfg.seed + offset, cfg.difficulty, cfg.order)
+    out = [p for p in drawn if p.prompt not in exclude][:n]
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} of {n} synthetic problems are not held out")
+    return out
+
+
+def calib_scores(model, tok, kind, problems):
+    """None for magnitude (nm_mask's default), or Wanda's scores over the problems' traces."""
+    if kind == "magnitude":
+        return None
+    if kind != "wanda":
+        raise ValueError(f"scores must be 'magnitude' or 'wanda', got {kind!r}")
+    return wanda_scores(model, [(ids, valid) for ids, _, valid in trace_batches(tok, problems, 16)])
+
+
+def learn_roi(model, tok, n, m, problems, batch=16, lr=0.05, loss="kd", scores=None,
+              init_scale=2.0, seed=0, log=print):
+    """RoI masks for `model`, one step per `batch` of the training problems, logits initialised
+    from `scores` (None: magnitude); the model is left N:M (masks baked) -> masks."""
+    torch.manual_seed(seed)
+    data = trace_batches(tok, problems, batch)
+    roi = RoI(model, n, m, scores, init_scale)
+    opt = torch.optim.Adam(roi.parameters(), lr=lr)
+    model.train()
+    for step, (ids, tmask, _) in enumerate(data):
+        roi.set_schedule(anneal(step, len(data), 1.0, 0.05), anneal(step, len(data), 1.0, 0.002))
+
+        def teacher():
+            with roi.dense():
+                return completion_logits(model, ids, tmask)
+
+        loss_v = train_loss(model, ids, tmask, loss, teacher)
+        opt.zero_grad(set_to_none=True)
+        loss_v.backward()
+        opt.step()
+        if step % 100 == 0 or step == len(data) - 1:
+            log(f"roi {n}:{m} step {step}: {loss} loss {loss_v.item():.4f}")
+    model.eval()
+    return roi.remove()
+
+
+def finetune_srste(model, tok, n, m, problems, batch=16, lr=3e-4, loss="kd", decay=2e-4,
+                   every=1, seed=0, log=print):
+    """SR-STE fine-tuning of every weight, one step per `batch` of the training problems; the
+    model is left N:M -> masks. The KD teacher is a frozen copy of the dense model."""
+    torch.manual_seed(seed)
+    data = trace_batches(tok, problems, batch)
+    dense = copy.deepcopy(model).eval() if loss == "kd" else None
+    sr = SRSTE(model, n, m, decay=decay, every=every)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    for step, (ids, tmask, _) in enumerate(data):
+        loss_v = train_loss(model, ids, tmask, loss, lambda: completion_logits(dense, ids, tmask))
+        opt.zero_grad(set_to_none=True)
+        loss_v.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sr.step()
+        if step % 100 == 0 or step == len(data) - 1:
+            log(f"sr-ste {n}:{m} step {step}: {loss} loss {loss_v.item():.4f}")
+    model.eval()
+    return sr.remove()
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def perplexity(model, batches):
+    """exp(mean NLL) of the completion tokens (reference trace + EOS) given the prompt."""
+    nll, count = 0.0, 0
+    for ids, tmask, _ in batches:
+        logits, tgt = completion_logits(model, ids, tmask)
+        nll += F.cross_entropy(logits, tgt, reduction="sum").item()
+        count += tgt.numel()
+    return math.exp(nll / count)
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, problems, max_new_tokens=64):
+    """The share of problems whose greedy completion reward.score rates 1."""
+    engine = Engine(model.eval(), tok, max_new_tokens, 0.0, 1.0)
+    ids = [tok.encode(format_prompt(tok, p, True), add_special_tokens=False) for p in problems]
+    texts = []
+    for a in range(0, len(ids), 256):
+        texts += engine.generate(ids[a:a + 256], 1, seed=0).texts
+    return sum(score(problems, texts)) / len(problems)
+
+
+def check_nm(model, masks, n, m):
+    """The masked model really is N:M: every mask keeps n of each m and the weights are zero
+    elsewhere (a comparison row must not be a dense model by mistake)."""
+    lin = nm_linears(model)
+    for k, mask in masks.items():
+        groups = mask.reshape(mask.shape[0], -1, m).sum(-1)
+        if not (groups == n).all() or lin[k].weight[~mask].any():
+            raise AssertionError(f"{k} is not {n}:{m} sparse")
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+METHODS = ("magnitude", "wanda", "sr-ste", "roi")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench", "RESULTS.md")
+
+
+def mask_with(method, model, tok, n, m, args, data, log):
+    """One comparison row's mask: the model is left N:M -> masks. data: {"calib", "train"}."""
+    kind = {"magnitude": "magnitude", "wanda": "wanda", "roi": args.init}.get(method)
+    scores = calib_scores(model, tok, kind, data["calib"]) if kind else None  # SR-STE: none
+    if method in ("magnitude", "wanda"):
+        return apply_nm(model, n, m, scores=scores)
+    kw = dict(batch=args.batch, loss=args.loss, seed=args.seed, log=log)
+    if method == "sr-ste":
+        return finetune_srste(model, tok, n, m, data["train"], lr=args.srste_lr, **kw)
+    return learn_roi(model, tok, n, m, data["train"], lr=args.roi_lr, scores=scores, **kw)
+
+
+def hardware():
+    """'<cpu model>, <n> cores, <t> threads' (or the GPU's name)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def compare(args, log=print):
+    """Dense, then magnitude, Wanda, SR-STE and RoI at each --nm, on the tiny default's warm start
+    (clean teacher), scored on the RL loop's held-out problems -> rows; writes
+    out_dir/compare_<steps>steps.json and .md."""
+    cfg = parse_config([f"--out_dir={args.out_dir}", "--sft_noise=0.0", f"--seed={args.seed}",
+                        f"--n_eval={args.n_eval}"])
+    dense, tok = build_policy(cfg, "cpu", log)
+    _, problems = load_problems(cfg)
+    held, seen = trace_batches(tok, problems, 64), {p.prompt for p in problems}
+    data = dict(calib=synthetic_problems(cfg, CALIB_PROBLEMS, CALIB_SEED, seen),
+                train=synthetic_problems(cfg, args.steps * args.batch, TRAIN_SEED, seen))
+
+    def row(nm, method, model, secs):
+        r = dict(nm=nm, method=method, ppl=perplexity(model, held),
+                 acc=greedy_accuracy(model, tok, problems, cfg.max_new_tokens), secs=secs)
+        log(f"{nm} {method}: perplexity {r['ppl']:.4f}, accuracy {r['acc']:.3f}, "
+            f"mask {secs:.0f} s")
+        return r
+
+    rows = [row("dense", "dense", dense.eval(), 0.0)]
+    for n, m in args.nm:
+        for method in METHODS:
+            model = copy.deepcopy(dense)
+            t0 = time.perf_counter()
+            masks = mask_with(method, model, tok, n, m, args, data, log)
+            secs = time.perf_counter() - t0
+            check_nm(model, masks, n, m)
+            rows.append(row(f"{n}:{m}", method, model, secs))
+    stem = os.path.join(args.out_dir, f"compare_{args.steps}steps")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(rows=rows, args={k: v for k, v in vars(args).items() if k != "func"},
+                       hardware=hardware(), params=dense.num_params()), f, indent=1)
+    table = results_table(rows)
+    with open(stem + ".md", "w") as f:
+        f.write(table + "\n")
+    log(table)
+    return rows
+
+
+def results_table(rows):
+    """Markdown: one row per (sparsity, method). The traces are nearly determined by their prompt,
+    so perplexities sit near 1: the NLL per token (its log) shows the differences better."""
+    d = rows[0]
+    lines = ["| sparsity | method | held-out NLL, nats/token | perplexity | greedy accuracy "
+             "| vs dense | mask time |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = "" if r is d else f"{r['acc'] - d['acc']:+.3f}"
+        lines.append(f"| {r['nm']} | {r['method']} | {math.log(r['ppl']):.4f} | {r['ppl']:.4f} | "
+                     f"{r['acc']:.3f} | {gap} | {r['secs']:.0f} s |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def parse_nm(text):
+    """'2:4' -> (2, 4); a comma list '2:4,2:8' -> [(2, 4), (2, 8)] through parse_nm_list."""
+    try:
+        n, m = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nm wants N:M, e.g. 2:4, got {text!r}") from None
+    if not 0 < n <= m:
+        raise argparse.ArgumentTypeError(f"--nm wants 0 < N <= M, got {text!r}")
+    return n, m
+
+
+def parse_nm_list(text):
+    return [parse_nm(t) for t in text.split(",")]
+
+
+def load_model(model_dir, device):
+    """A saved model and its tokenizer (a pad token borrowed from EOS when it has none)."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"{model_dir} is not a model folder")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return Transformer.from_pretrained(model_dir, device=device).eval(), tok
+
+
+def mask_saved(args, log=print):
+    """`learn` and `apply`: mask MODEL_DIR's model and write it, with its tokenizer and nm.json
+    (n, m, method), to --out. Perplexity before and after on --eval held-out problems."""
+    cfg = parse_config([f"--seed={args.seed}", f"--n_eval={max(args.eval, 1)}"])
+    model, tok = load_model(args.model_dir, args.device)
+    (n, m), problems = args.nm, load_problems(cfg)[1]
+    held, seen = trace_batches(tok, problems[:args.eval], 32), {p.prompt for p in problems}
+    before = perplexity(model, held) if held else None
+    kind = args.init if args.cmd == "learn" else args.scores
+    scores = calib_scores(model, tok, kind, synthetic_problems(cfg, CALIB_PROBLEMS, CALIB_SEED,
+                                                               seen))
+    if args.cmd == "learn":
+        train = synthetic_problems(cfg, args.steps * args.batch, TRAIN_SEED, seen)
+        masks = learn_roi(model, tok, n, m, train, args.batch, args.lr, args.loss, scores,
+                          args.init_scale, args.seed, log)
+        method = f"roi (init {args.init}, {args.loss}, {args.steps} steps)"
+    else:
+        masks, method = apply_nm(model, n, m, scores=scores), args.scores
+    check_nm(model, masks, n, m)
+    model.save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+    with open(os.path.join(args.out, "nm.json"), "w") as f:
+        json.dump(dict(n=n, m=m, method=method, layers=sorted(masks)), f, indent=1)
+    kept = sum(int(k.sum()) for k in masks.values()) / sum(k.numel() for k in masks.values())
+    ppl = f"; held-out perplexity {before:.4f} -> {perplexity(model, held):.4f}" if held else ""
+    log(f"wrote {args.out}: {method}, {n}:{m} on {len(masks)} Linear ({kept:.3f} of their "
+        f"weights kept){ppl}")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="roi.py", description="N:M masks: learned (RoI) or one-shot")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("learn", "apply"):
+        s = sub.add_parser(name)
+        s.add_argument("model_dir")
+        s.add_argument("--nm", type=parse_nm, required=True)
+        s.add_argument("--out", required=True)
+        s.add_argument("--device", default="cpu")
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--threads", type=int, default=0)
+        s.add_argument("--eval", type=int, default=100, help="held-out problems (0: no eval)")
+    learn, apply_ = sub.choices["learn"], sub.choices["apply"]
+    learn.add_argument("--steps", type=int, default=300)
+    learn.add_argument("--batch", type=int, default=16)
+    learn.add_argument("--lr", type=float, default=0.05)
+    learn.add_argument("--loss", choices=("kd", "lm"), default="kd")
+    learn.add_argument("--init", choices=("magnitude", "wanda"), default="wanda")
+    learn.add_argument("--init_scale", type=float, default=2.0)
+    apply_.add_argument("--scores", choices=("magnitude", "wanda"), default="magnitude")
+    c = sub.add_parser("compare")
+    c.add_argument("--out_dir", default="out/roi")
+    c.add_argument("--nm", type=parse_nm_list, default=[(2, 4), (2, 8)])
+    c.add_argument("--steps", type=int, default=300)
+    c.add_argument("--batch", type=int, default=16)
+    c.add_argument("--loss", choices=("kd", "lm"), default="kd")
+    c.add_argument("--init", choices=("magnitude", "wanda"), default="wanda")
+    c.add_argument("--roi_lr", type=float, default=0.05)
+    c.add_argument("--srste_lr", type=float, default=3e-4)
+    c.add_argument("--n_eval", type=int, default=500)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--threads", type=int, default=1)
+    return p
+
+
+def main(argv):
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cmd == "compare":
+        os.makedirs(args.out_dir, exist_ok=True)
+        return compare(args)
+    return mask_saved(args)
+
+
+if __name__ == "__main__":
+    sys.exit(cli(main, sys.argv[1:]))
