@@ -97,6 +97,8 @@ def build(cfg, rank, world, dev, role, log):
     """The policy, its data, its engines and its optimizer. The order sets what the seed draws."""
     random.seed(cfg.seed)
     model, tok = build_policy(cfg, dev, log, rank, world)
+    # the run's own draws (a LoRA init, ...) must not depend on whether the warm start was built
+    torch.manual_seed(cfg.seed)  # here or loaded from its cache
     train_p, eval_p = load_problems(cfg)
     ctx = model.config.max_position_embeddings
     train_p, train_ids = encode_pool(tok, train_p, cfg, ctx, log)
