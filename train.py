@@ -26,12 +26,12 @@ every number. A run ends with a summary table, out_dir/run.png and every rank's 
 Simplifications:
     1. Colocated by default: the policy and the rollout engine share a process (and, with
        rollout_copy=same, the module). `fsdp=true` shards training, with a full replica to generate.
-    2. The embedded default builds its own warm start (warmstart.py), cached under out_dir.
+    2. The embedded default builds its own warm start (warmstart.py), cached by its settings.
     3. Held-out accuracy is greedy, on the policy itself (not the rollout copy), scored by the same
        cascade.
     4. A config or data error stops the run with one line that names the key, before any training.
 
-Config: `Config` in config.py is the one source of truth; the run writes the config it used to
+`Config` in config.py is the one source of truth; the run writes the config it used to
 out_dir/config.json.
 """
 
