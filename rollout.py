@@ -20,27 +20,31 @@ What one call does:
     1. Prefill: each distinct prompt goes through the model once (prompts batched, right-padded,
        causal SDPA), and its keys and values are scattered into pages of `page_size` tokens. The G
        rows of a prompt point at the same physical pages for every full prompt page; only the
-       partial last page is copied, once per row, because every row writes its own first tokens into
-       it (copy-on-write done eagerly: at most page_size - 1 tokens per row, against a whole
-       prompt).
-    2. Decode: one query token per live row. Each layer writes the new key and value into the row's
-       last page (a fresh page from the free list when the last one is full) and calls
-       `decode_attention` from kernels/block_sparse_decode.py: the Triton kernel on a GPU. On a CPU,
-       dense decode gathers every cached token and runs fused SDPA (the gather's slots are built
-       once per step, for all layers); sparse decode runs the kernel's PyTorch reference.
-    3. Dense decode reads every page. Sparse decode (`sparse=` a budget function from sparsity.py)
+       partial last page is copied, once per row (copy-on-write done eagerly: at most page_size - 1
+       tokens per row, against a whole prompt). A prompt of one row is all the row's own.
+    2. Pages: the pool is head-major (a KV head's token slots are contiguous): a prefix slot per
+       shared prompt, then a lane per row that its own pages fill in order, so the live rows' own
+       tokens are one strided view. Rows move from the last lanes into those that finished rows
+       free. A pool capped by `num_pages` hands out pages from a free list instead.
+    3. Decode: one query token per live row. Each layer writes the new key and value into the row's
+       last page and attends: dense on a CPU over the lanes' view in place (no gather) and over
+       each shared prompt once per group, its rows' queries side by side, merged by log-sum-exp (a
+       capped pool gathers every token); on a GPU, and sparse: `decode_attention` (Triton, or its
+       PyTorch reference on a CPU) from kernels/block_sparse_decode.py, through the page tables.
+    4. Dense decode reads every page. Sparse decode (`sparse=` a budget function from sparsity.py)
        reads, in each layer past the first `dense_layers`, the pages that `sparsity.select_pages`
        picks from the page metadata (mean key, and min/max keys for Quest), which a sparse engine
        writes once, when a page fills. The first `keep_first` pages and the last `keep_recent` (and
        the partial last page) are always read.
-    4. Sampling: temperature, top-p, a seeded generator; the log-prob of the sampled token is taken
+    5. Sampling: temperature, top-p, a seeded generator; the log-prob of the sampled token is taken
        under softmax(logits / temperature), which the trainer recomputes, so the two compare token
        by token. With `topk_logprobs=k` the engine also keeps the k largest log-probs of that
        distribution (values and token ids) at every sampled position: what `sparsity.alpha_topk`
        needs to bound the sparse-to-dense acceptance rate. k = vocab_size keeps the whole
        distribution (small vocabularies: the exact alpha).
-    5. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch at once and
-       its pages go back to the free list (a shared prompt page when its last row finishes).
+    6. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch at once and
+       its pages go back (a shared prompt page when its last row finishes). The model runs the
+       call inside `Transformer.packed()`: on a CPU, its weight matmuls on packed copies.
 
 Options (Engine keywords): page_size=16; sparse=False or a budget function; scorer="centroid" |
 "quest" | "oracle" (the true attention mass per page: it reads every key, a yardstick for
@@ -56,8 +60,8 @@ pages_peak, pages_free_end (the pool).
 
 Simplifications:
     1. No continuous batching: a call starts all its rows together and ends when the last one
-       finishes. The pool holds the worst case of the call (every row at max_new_tokens) unless
-       `num_pages` caps it.
+       finishes. The pool holds the worst case of the call (every lane as long as the longest row
+       can get) unless `num_pages` caps it.
     2. The log-prob ignores top-p truncation (as verl and friends do); with top_p = 1 it is exact.
        So do the top-k log-probs; and with temperature 0 (greedy) both are taken at temperature 1.
     3. Stop strings are checked on the decoded tail of each row, so a stop string must decode the
@@ -72,13 +76,15 @@ Simplifications:
 the slow reference that the tests compare the engine against.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kernels.block_sparse_decode import decode_attention, dense_slots
+from kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots, length_mask,
+                                         prefix_index, shared_prefix_decode)
 from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,
                       select_pages)
 
@@ -100,24 +106,24 @@ class Rollouts:
     topk_logp: torch.Tensor = None  # (N, T, k) fp32 top-k rollout log-probs, or None (k = 0)
     topk_ids: torch.Tensor = None  # (N, T, k) their token ids (descending log-prob), or None
     read_pages: torch.Tensor = None  # (N, T, sparse layers, H_kv, pages) bool: the logical pages
-    # each sparse layer and KV head read for the step that produced each token (record_pages=True);
-    # all False at position 0 (prefill)
+    # each sparse layer and KV head read for each token's step (record_pages=True; none at 0)
 
     def __len__(self):
         return self.tokens.shape[0]
 
 
 class PagedKVCache:
-    """One K and one V pool per layer, (num_pages, page_size, H_kv, D), a page table per sequence
-    (logical page -> physical page), reference counts and a free list. The engine lays out each
-    forward with `begin_prefill` or `begin_decode`; the model then calls `positions`, `attend` per
-    layer, and `advance`."""
+    """K and V pools, a page table per sequence (logical -> physical page), reference counts, and
+    lanes = (S prefix slots of P pages, R pages a row) or a free list (lanes=None). The engine lays
+    out a forward (`begin_prefill`, `begin_decode`); the model calls positions, attend, advance."""
 
     def __init__(self, cfg, num_seqs, max_pages, num_pages, page_size, dtype, device, budget=None,
-                 scorer="centroid", keep_first=1, keep_recent=2, dense_layers=2):
+                 scorer="centroid", keep_first=1, keep_recent=2, dense_layers=2, lanes=None):
         L, self.H, self.D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        self.page_size, self.num_pages = page_size, num_pages
-        self.k = torch.zeros(L, num_pages, page_size, self.H, self.D, dtype=dtype, device=device)
+        self.page_size, self.num_pages, self.lanes = page_size, num_pages, lanes
+        # (L, H_kv, num_pages * page_size, D): head-major, so that a run of token slots of one
+        # KV head is contiguous memory; `paged` shows a layer in the kernel's layout
+        self.k = torch.zeros(L, self.H, num_pages * page_size, self.D, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         meta = (L, num_pages, self.H, self.D)  # page metadata, kept only where a selection reads it
         self.kmean = torch.zeros(meta, dtype=dtype, device=device) if budget is not None else None
@@ -127,45 +133,80 @@ class PagedKVCache:
         # (N, max_pages) the device copy of every page table: logical page -> physical page id
         self.table = torch.zeros(num_seqs, max_pages, dtype=torch.int32, device=device)
         self.pages = [[] for _ in range(num_seqs)]  # the host's copy of each page table
+        self.n_shared = [0] * num_seqs  # the shared prompt pages that open each page table
         self.lens = [0] * num_seqs  # tokens cached per sequence
         self.refs = [0] * num_pages  # sequences holding each page: a shared prompt page has G
-        self.free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self.peak = 0
-        self.budget, self.scorer = budget, scorer
+        # the free list (pop() hands out low ids first), or, with lanes, each row's lane
+        self.free = list(range(num_pages - 1, -1, -1)) if lanes is None else None
+        self.lane = list(range(num_seqs)) if lanes is not None else None
+        self.prefixes = []  # (shared tokens, rows) of the shared prompt in each prefix slot
+        self.used = self.peak = 0  # pages held now, and at most
+        self.budget, self.scorer, self.dense_layers = budget, scorer, dense_layers
         self.keep_first, self.keep_recent = keep_first, keep_recent
-        self.dense_layers = dense_layers
-        # a list to record (step, rows, layer, sel, n_sel) of every sparse selection into
-        self.record = None
+        self.record = None  # a list to record (step, rows, layer, sel, n_sel) of every selection
         self.clock = None  # the engine's timing hook (Engine.clock)
+        self._laid = None  # the rows the lanes' index tensors were built for
 
     # ---- bookkeeping
 
-    def _alloc(self, seq):
-        if not self.free:
-            raise RuntimeError(f"the KV pool is out of pages ({self.num_pages} of {self.page_size} "
-                               f"tokens): raise Engine(num_pages=...) or leave it None for the "
-                               f"worst case")
-        p = self.free.pop()
-        self.refs[p] = 1
-        self.pages[seq].append(p)
-        self.peak = max(self.peak, self.num_pages - len(self.free))
+    def _take(self, p, holders):
+        """Hold page p (None: the free list's next) for `holders` sequences."""
+        if p is None:
+            if not self.free:
+                raise RuntimeError(f"the KV pool is out of pages ({self.num_pages}): raise "
+                                   f"Engine(num_pages=...) or leave it None")
+            p = self.free.pop()
+        self.refs[p], self.used = holders, self.used + 1
+        self.peak = max(self.peak, self.used)
         return p
 
+    def _lane_page(self, seq, i):  # page i of the lane of sequence seq
+        return self.lanes[0] * self.lanes[1] + self.lane[seq] * self.lanes[2] + i
+
+    def _alloc(self, seq):
+        """The next page of `seq`'s own: the next one of its lane, or the free list's."""
+        own = len(self.pages[seq]) - self.n_shared[seq]
+        self.pages[seq].append(self._take(self._lane_page(seq, own) if self.lanes else None, 1))
+        return self.pages[seq][-1]
+
     def release(self, seq):
-        """A finished sequence gives its pages back; a shared page returns when its last holder
-        leaves."""
+        """A finished sequence gives its pages back (a shared one when its last holder leaves)."""
         for p in self.pages[seq]:
             self.refs[p] -= 1
             if self.refs[p] == 0:
-                self.free.append(p)
+                self.used -= 1
+                if self.free is not None:
+                    self.free.append(p)
         self.pages[seq] = []
+
+    def _compact(self, rows):
+        """Lanes: the live rows in lanes >= B = len(rows) move to those below B that rows left."""
+        holes = sorted(set(range(len(rows))) - {self.lane[r] for r in rows})
+        src, dst = [], []  # pages
+        for r, lane in zip([r for r in rows if self.lane[r] >= len(rows)], holes):
+            n, self.lane[r] = self.n_shared[r], lane
+            src += self.pages[r][n:]
+            self.pages[r][n:] = [self._lane_page(r, i) for i in range(len(self.pages[r]) - n)]
+            dst += self.pages[r][n:]
+            self.table[r, n:len(self.pages[r])] = torch.tensor(self.pages[r][n:])
+        s, d = (torch.tensor(x, dtype=torch.long, device=self.table.device) for x in (src, dst))
+        for pool in (self.k, self.v):
+            pages = pool.unflatten(2, (-1, self.page_size))  # (L, H_kv, pages, page_size, D)
+            pages[:, :, d] = pages[:, :, s]
+        for meta in filter(lambda t: t is not None, (self.kmean, self.kmin, self.kmax)):
+            meta[:, d] = meta[:, s]  # (L, pages, H_kv, D)
+        for a, b in zip(src, dst):
+            self.refs[a], self.refs[b] = 0, 1
+
+    def paged(self, pool, layer):  # a layer of self.k or .v as (num_pages, page_size, H_kv, D)
+        return pool[layer].view(self.H, -1, self.page_size, self.D).permute(1, 2, 0, 3)
 
     def _write_meta(self, layer, pages):
         """Metadata of pages that just filled (pages: index tensor): written once, read by every
         later step."""
         if pages is None or self.kmean is None:
             return
-        mean, lo, hi = page_metadata(self.k[layer][pages], self.kmin is not None)
+        mean, lo, hi = page_metadata(self.paged(self.k, layer)[pages], self.kmin is not None)
         self.kmean[layer][pages] = mean.to(self.kmean.dtype)
         if lo is not None:
             self.kmin[layer][pages], self.kmax[layer][pages] = (lo.to(self.kmin.dtype),
@@ -175,29 +216,29 @@ class PagedKVCache:
 
     def begin_prefill(self, groups):
         """groups[i] = (length, rows): batch row i is a prompt whose KV belongs to all of `rows`.
-        Its full pages are allocated once and shared (refs = len(rows)); its partial last page is
-        private to each row."""
+        Shared by several rows, its full pages are stored once (refs = len(rows)) and its partial
+        last page once per row (eager copy-on-write); a prompt of one row is all its own."""
         ps, dev = self.page_size, self.table.device
         src_b, src_t, dst, full = [], [], [], []
-        for i, (L, rows) in enumerate(groups):
-            n_full, tail = divmod(L, ps)
-            shared = [self._alloc(rows[0]) for _ in range(n_full)]
-            for p in shared:
-                self.refs[p] = len(rows)
-            for r in rows[1:]:
-                self.pages[r] = list(shared)
-            t = torch.arange(n_full * ps)  # tokens of the full pages: stored once
+
+        def store(i, t, pages, first):  # tokens t of batch row i go to pages from token first
             src_b.append(torch.full_like(t, i))
             src_t.append(t)
-            dst.append(torch.tensor(shared, dtype=torch.long)[t // ps] * ps + t % ps)  # flat slots
-            t = torch.arange(n_full * ps, L)  # tokens of the partial page: stored once per row
+            dst.append(torch.tensor(pages, dtype=torch.long)[(t - first) // ps] * ps + t % ps)
+        for i, (L, rows) in enumerate(groups):
+            n_sh = L // ps if len(rows) > 1 else 0
+            first = len(self.prefixes) * (self.lanes[1] if self.lanes else 0)  # its prefix slot
+            shared = [self._take(first + j if self.lanes else None, len(rows)) for j in range(n_sh)]
+            self.prefixes += [(n_sh * ps, rows)] if n_sh else []
+            store(i, torch.arange(n_sh * ps), shared, 0)
+            own = torch.arange(n_sh * ps, L)  # the tokens each row stores for itself
             for r in rows:
-                if tail:  # copy-on-write of the one page that the rows will each write into
-                    src_b.append(torch.full_like(t, i))
-                    src_t.append(t)
-                    dst.append(self._alloc(r) * ps + t % ps)
+                self.pages[r], self.n_shared[r] = list(shared), n_sh
+                mine = [self._alloc(r) for _ in range(-(-len(own) // ps))]
+                store(i, own, mine, n_sh * ps)
                 self.lens[r] = L
                 self.table[r, :len(self.pages[r])] = torch.tensor(self.pages[r], dtype=torch.int32)
+                full += mine[:len(own) // ps]
             full += shared
         self._mode, self._B = "prefill", len(groups)
         self._scatter = [torch.cat(x).to(dev) for x in (src_b, src_t, dst)]
@@ -206,14 +247,15 @@ class PagedKVCache:
     def begin_decode(self, rows):
         """One new token for each live sequence in `rows`: open a page where the last one is full,
         then build the step's index tensors, which every layer shares."""
-        ps, dev = self.page_size, self.table.device
+        ps, dev, cpu = self.page_size, self.table.device, not self.table.is_cuda
+        if self.lanes is not None and cpu and rows != self._laid:  # rows left since last step
+            self._compact(rows)  # (a GPU reads through the page tables: lanes need no order)
         opened = [(r, len(self.pages[r]), self._alloc(r)) for r in rows if self.lens[r] % ps == 0]
         if opened:  # one scatter for all the new pages: the device table follows the host's lists
             r, j, p = (torch.tensor(x) for x in zip(*opened))
             self.table[r.to(dev), j.to(dev)] = p.to(dev, torch.int32)
         lens = [self.lens[r] for r in rows]  # before the new token: its position
-        # the page the new token goes to
-        last = [self.pages[r][n // ps] for r, n in zip(rows, lens)]
+        last = [self.pages[r][n // ps] for r, n in zip(rows, lens)]  # the new token's page
         self.n_pages = [n // ps + 1 for n in lens]  # pages cached once the new token is in
         n_full = [(n + 1) // ps for n in lens]
         filled = [p for p, n in zip(last, lens) if (n + 1) % ps == 0]
@@ -224,9 +266,11 @@ class PagedKVCache:
         self._seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev) + 1  # (B,) new one in
         # (B, P) the live rows' tables, cut to the pages in use: P = the longest row's page count
         self._table = self.table[torch.tensor(rows, device=dev), :max(self.n_pages)]
-        # dense decode off the GPU gathers every cached
-        # token: its slots are built once, for every layer
-        self._slots = None if self.table.is_cuda else dense_slots(self._table, self._seq_lens, ps)
+        # CPU dense decode without lanes gathers every cached token: slots built once, all layers
+        gather = cpu and self.lanes is None
+        self._slots = dense_slots(self._table, self._seq_lens, ps) if gather else None
+        if self.lanes is not None and cpu:
+            self._lay_lanes(rows, lens)
         self._filled = torch.tensor(filled, dtype=torch.long, device=dev) if filled else None
         self.n_read = self.n_pages
         if self.budget is not None:
@@ -234,6 +278,26 @@ class PagedKVCache:
                            for n, f in zip(self.n_pages, n_full)]
             self._counts = [torch.tensor(x, device=dev)
                             for x in (self.n_pages, n_full, self.n_read)]
+
+    def _lay_lanes(self, rows, lens):
+        """The index tensors of `_attend_lanes`, rebuilt when the live rows change: lane order, own
+        tokens per lane (+1 a step), the shared prompts' queries (prefix_index) and lengths."""
+        B, dev = len(rows), self.table.device
+        if rows != self._laid:
+            self._laid, lane = list(rows), [self.lane[r] for r in rows]  # a permutation of 0..B-1
+            self._lane = torch.tensor(lane, device=dev)  # live row j sits in lane lane[j]
+            order = sorted(range(B), key=lane.__getitem__)  # the live row in each lane
+            self._by_lane = None if order == list(range(B)) else torch.tensor(order, device=dev)
+            own = [lens[j] - self.n_shared[rows[j]] * self.page_size for j in order]
+            self._own_max, self._steps = max(own), 0
+            self._own_base = None if min(own) == max(own) else torch.tensor(own, device=dev)
+            slot = {r: s for s, (_, rs) in enumerate(self.prefixes) for r in rs}
+            self._pre = prefix_index([slot.get(rows[j], -1) for j in order],
+                                     [n for n, _ in self.prefixes], self.k.dtype, dev)
+        self._steps += 1  # the new token
+        self._own = self._own_max + self._steps
+        self._own_mask = (None if self._own_base is None
+                          else length_mask(self._own_base + self._steps, self._own, self.k.dtype))
 
     # ---- what the model calls
 
@@ -243,36 +307,56 @@ class PagedKVCache:
         return self._pos
 
     def attend(self, layer, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
-        # (num_pages * page_size, Hkv, D): one row per token slot
-        kp = self.k[layer].view(-1, self.H, self.D)
-        vp = self.v[layer].view(-1, self.H, self.D)
+        kp, vp = self.k[layer], self.v[layer]  # (Hkv, num_pages * page_size, D)
         if self._mode == "prefill":
-            # the prompts are contiguous here: plain causal attention, then store
-            b, t, dst = self._scatter  # token t of batch row b goes to slot dst
-            kp[dst] = k.transpose(1, 2)[b, t].to(kp.dtype)  # (n, Hkv, D): padding never stored
-            vp[dst] = v.transpose(1, 2)[b, t].to(vp.dtype)
+            b, t, dst = self._scatter  # causal SDPA, and token t of batch row b into slot dst
+            kp.index_copy_(1, dst, k[b, :, t].transpose(0, 1).to(kp.dtype))
+            vp.index_copy_(1, dst, v[b, :, t].transpose(0, 1).to(vp.dtype))
             self._write_meta(layer, self._filled)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        kp[self._dst] = k[:, :, 0].to(kp.dtype)  # the new token first: it attends to itself
-        vp[self._dst] = v[:, :, 0].to(vp.dtype)
-        # before selecting: a page that fills now is scored now
-        self._write_meta(layer, self._filled)
+        # the new token first: it attends to itself; (Hkv, B, D) into B token slots
+        kp.index_copy_(1, self._dst, k[:, :, 0].transpose(0, 1).to(kp.dtype))
+        vp.index_copy_(1, self._dst, v[:, :, 0].transpose(0, 1).to(vp.dtype))
+        self._write_meta(layer, self._filled)  # before selecting: a page that fills is scored now
         sel = n_sel = None  # dense: every page
-        # the bench's timing hook: seconds of page selection and of attention, when set
-        clock = self.clock
+        t0 = time.perf_counter()
         if self.budget is not None and layer >= self.dense_layers:
-            t0 = time.perf_counter() if clock is not None else 0.0
             sel, n_sel = self._select(layer, q[:, :, 0])
-            if clock is not None:
-                clock["select"] += time.perf_counter() - t0
+            t0 = self._tick("select", t0)
             if self.record is not None:
                 self.record.append((self.step, self._rows, layer, sel, n_sel))
-        t0 = time.perf_counter() if clock is not None else 0.0
-        y = decode_attention(q[:, :, 0], self.k[layer], self.v[layer], self._table, self._seq_lens,
-                             sel, n_sel, slots=self._slots)
-        if clock is not None:
-            clock["attn"] += time.perf_counter() - t0
+        if sel is None and self.lanes is not None and not q.is_cuda:
+            y = self._attend_lanes(kp, vp, q[:, :, 0])
+        else:
+            y = decode_attention(q[:, :, 0], self.paged(self.k, layer), self.paged(self.v, layer),
+                                 self._table, self._seq_lens, sel, n_sel, slots=self._slots)
+        self._tick("attn", t0)
         return y[:, :, None]  # (B, Hq, 1, D)
+
+    def _tick(self, name, t0):
+        """Engine.clock, the bench's timer: adds the seconds since t0 to clock[name]; -> now."""
+        now = time.perf_counter()
+        if self.clock is not None:
+            self.clock[name] += now - t0
+        return now
+
+    def _attend_lanes(self, kp, vp, q):  # kp, vp (Hkv, slots, D); q (B, Hq, D) -> (B, Hq, D)
+        """CPU dense decode on the lanes: the live rows' own tokens are one strided view of the
+        pool, read in place; a shared prompt is read once per group, merged by log-sum-exp."""
+        (S, P, R), ps, H, D, B = self.lanes, self.page_size, self.H, self.D, q.shape[0]
+        # (n, Hkv, T, D) views, no copy: n runs of `size` token slots from slot `first`, cut to T
+        runs = lambda t, first, n, size, T: (t[:, first:first + n * size].view(H, n, size, D)
+                                             [:, :, :T].transpose(0, 1))
+        qg = q.view(B, H, -1, D)  # the G query heads of each KV head as G queries
+        if self._by_lane is not None:  # rows moved by _compact: q in lane order, and back below
+            qg = qg.index_select(0, self._by_lane)
+        own = [runs(t, S * P * ps, B, R * ps, self._own) for t in (kp, vp)]
+        if self._pre is None:
+            y = attend_rows(qg, *own, self._own_mask)
+        else:
+            pre = [runs(t, 0, S, P * ps, self._pre[0]) for t in (kp, vp)]
+            y = shared_prefix_decode(qg, *own, self._own_mask, *pre, self._pre)
+        return (y if self._by_lane is None else y.index_select(0, self._lane)).view(B, -1, D)
 
     def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
         # (B, P); entries past a row's pages hold stale ids, masked in selection
@@ -281,7 +365,7 @@ class PagedKVCache:
             scores = quest_scores(q, self.kmin[layer][phys], self.kmax[layer][phys])
         elif self.scorer == "oracle":
             # the yardstick: every key read, the true attention mass per page
-            scores = oracle_scores(q, self.k[layer][phys], self._seq_lens)
+            scores = oracle_scores(q, self.paged(self.k, layer)[phys], self._seq_lens)
         else:
             scores = centroid_scores(q, self.kmean[layer][phys])
         n_pages, n_full, n_read = self._counts
@@ -350,8 +434,7 @@ class Engine:
                              f"{topk_logprobs!r}")
         self.topk = topk_logprobs
         self.record_pages = record_pages and self.budget is not None
-        # {"attn": s, "select": s}: decode adds its attention and page-selection seconds (bench)
-        self.clock = None
+        self.clock = None  # {"attn": s, "select": s}: decode adds its seconds in each (the bench)
 
     def _check_lengths(self, prompt_ids):
         for i, p in enumerate(prompt_ids):
@@ -364,8 +447,7 @@ class Engine:
 
     def _stopped(self, out, rows):
         """Rows (indices into out) whose decoded tail contains a stop string."""
-        # tokens, generously: a token is at least one character
-        tail = max(len(s) for s in self.stop) + 8
+        tail = max(len(s) for s in self.stop) + 8  # tokens, generously: a token is a char or more
         texts = self.tok.batch_decode([out[r][-tail:] for r in rows], skip_special_tokens=True)
         return [r for r, t in zip(rows, texts) if any(s in t for s in self.stop)]
 
@@ -380,14 +462,18 @@ class Engine:
         return [(list(p), rows) for p, rows in groups.items()]
 
     def _new_cache(self, groups, N):
+        """The call's pool: lanes (PagedKVCache) that hold the worst case, every row at
+        max_new_tokens, or num_pages pages from a free list."""
         ps, new = self.page_size, self.max_new_tokens
-        longest = max(len(p) for p, _ in groups)
-        # worst case: every row runs to max_new_tokens; -(-a // b) is ceil(a / b)
-        need = sum(len(p) // ps + len(rows) * -(-(len(p) % ps + new) // ps) for p, rows in groups)
-        w = self.model.lm_head.weight
-        cache = PagedKVCache(self.model.config, N, -(-(longest + new) // ps),
-                             self.num_pages or need, ps, w.dtype, w.device, self.budget,
-                             self.scorer, self.keep_first, self.keep_recent, self.dense_layers)
+        shared = [len(p) // ps if len(rows) > 1 else 0 for p, rows in groups]  # full pages
+        # a row's own pages at the most; -(-a // b) is ceil(a / b)
+        own = [-(-(len(p) - n * ps + new) // ps) for (p, _), n in zip(groups, shared)]
+        lanes = None if self.num_pages else (sum(n > 0 for n in shared), max(shared), max(own))
+        num_pages = self.num_pages or lanes[0] * lanes[1] + N * lanes[2]
+        w, longest = self.model.lm_head.weight, max(len(p) for p, _ in groups)
+        cache = PagedKVCache(self.model.config, N, -(-(longest + new) // ps), num_pages, ps,
+                             w.dtype, w.device, self.budget, self.scorer, self.keep_first,
+                             self.keep_recent, self.dense_layers, lanes)
         cache.clock = self.clock
         return cache
 
@@ -407,8 +493,7 @@ class Engine:
         for chunk in chunks:
             lens = torch.tensor([len(p) for p, _ in chunk])
             ids = torch.full((len(chunk), int(lens.max())), self.pad_id, dtype=torch.long)
-            for i, (p, _) in enumerate(chunk):
-                # right padding: real tokens never attend to the pads after them
+            for i, (p, _) in enumerate(chunk):  # right padding: no real token sees the pads
                 ids[i, :len(p)] = torch.tensor(p)
             cache.begin_prefill([(len(p), rows) for p, rows in chunk])
             # (b, T, C); only the last real token is projected
@@ -423,6 +508,11 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompt_ids, group_size=1, seed=0):
+        """G completions of each prompt (token-id lists) -> Rollouts; Transformer.packed() on."""
+        with getattr(self.model, "packed", contextlib.nullcontext)():
+            return self._generate(prompt_ids, group_size, seed)
+
+    def _generate(self, prompt_ids, group_size, seed):
         self._check_lengths(prompt_ids)
         model, dev = self.model, self.model.lm_head.weight.device
         gen = torch.Generator(device=dev).manual_seed(seed)
@@ -434,8 +524,7 @@ class Engine:
         logits, calls = self._prefill(cache, groups, N)
         t1 = time.perf_counter()
         out, lps = [[] for _ in range(N)], [[] for _ in range(N)]
-        # prefill reads every page
-        budget = [[-(-len(prompt_ids[r // group_size]) // ps)] for r in range(N)]
+        budget = [[-(-len(prompt_ids[r // group_size]) // ps)] for r in range(N)]  # all pages
         dense = [list(b) for b in budget]
         finish = ["length"] * N
         live = list(range(N))  # row id of each row still in the batch
@@ -484,13 +573,12 @@ class Engine:
         for r in live:
             cache.release(r)
         t2 = time.perf_counter()
-        # every row's prompt: what a naive engine prefills
-        real = sum(len(p) * len(rows) for p, rows in groups)
+        real = sum(len(p) * len(rows) for p, rows in groups)  # what a naive engine prefills
         timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_calls": calls,
                    "prefill_tokens": sum(len(p) for p, _ in groups), "prefill_tokens_naive": real,
                    "pages_read": pages_read, "pages_dense": pages_dense,
                    "pages_total": cache.num_pages, "pages_peak": cache.peak,
-                   "pages_free_end": len(cache.free)}
+                   "pages_free_end": cache.num_pages - cache.used}
         ro = self._pack(prompt_ids, group_size, out, lps, finish, timings, budget, dense)
         if self.topk:
             ro.topk_logp, ro.topk_ids = self._pack_topk(topk, N, ro.tokens.shape[1])
@@ -502,11 +590,9 @@ class Engine:
         """The recorded selections -> (N, T, sparse layers, H_kv, P) bool, what distill.ReplayCache
         replays."""
         L, dl, P = self.model.config.num_hidden_layers, self.dense_layers, cache.table.shape[1]
-        # column P: padding
-        out = torch.zeros(N, T, max(0, L - dl), cache.H, P + 1, dtype=torch.bool)
+        out = torch.zeros(N, T, max(0, L - dl), cache.H, P + 1, dtype=torch.bool)  # P: padding
         for step, rows, layer, sel, n_sel in cache.record:
-            # (B, H_kv, S)
-            valid = torch.arange(sel.shape[-1], device=sel.device) < n_sel[..., None]
+            valid = torch.arange(sel.shape[-1], device=sel.device) < n_sel[..., None]  # (B, Hkv, S)
             idx = torch.where(valid, sel.long(), P).cpu()
             out[torch.tensor(rows)[:, None, None], step, layer - dl,
                 torch.arange(cache.H)[None, :, None], idx] = True

@@ -20,8 +20,8 @@ The ideas this kernel builds on (the ideas only; no code is copied):
 
 Layout and contract (what the rollout engine passes, per layer):
     q           (B, H_q, D)                  the decode queries, H_q = G * H_kv
-    k_cache     (num_pages, page_size, H_kv, D)
-    v_cache     (num_pages, page_size, H_kv, D)
+    k_cache     (num_pages, page_size, H_kv, D)  any strides with D contiguous: the engine's pool
+    v_cache     (num_pages, page_size, H_kv, D)  is head-major, (H_kv, num_pages, page_size, D)
     page_table  (B, max_pages) int32         logical page j of sequence b -> physical page id
     seq_lens    (B,) int32                   cached tokens of each sequence,
                                              <= max_pages * page_size
@@ -41,7 +41,10 @@ Simplifications and rules:
 5. One page table per sequence, shared by all KV heads; the selection may differ per KV head.
 6. Without Triton (CPU tensors, or use_triton=False), dense decode (sel=None) takes a faster PyTorch
    path than the reference: one gather of every cached token per cache, then fused SDPA
-   (`dense_decode_ref`). Same contract.
+   (`dense_decode_ref`). Same contract. Where each row's tokens are one contiguous run (the
+   engine's lanes), the CPU reads them in place with no gather (`attend_rows`), and a prompt that
+   a group of rows shares once for the group (`shared_prefix_decode`: the rows' queries side by
+   side, merged with each row's own part by log-sum-exp, `merge_attention`).
 
 Run the benchmark with `python -m kernels.block_sparse_decode` (CUDA: kernel vs SDPA vs
 FlexAttention; CPU: the PyTorch reference only). Tests: `python -m pytest tests/test_kernel.py`,
@@ -100,7 +103,8 @@ def _block_sparse_decode_kernel(
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // num_kv_heads
-    h = pid_bh % num_kv_heads
+    # int64: in a head-major cache (the engine's) h * stride_kh spans the whole pool
+    h = (pid_bh % num_kv_heads).to(tl.int64)
 
     seq_len = tl.load(SeqLens + b * stride_lb)
     n_sel = tl.load(NSel + b * stride_nb + h * stride_nh)
@@ -326,6 +330,19 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, sel=None, n_sel=
 # PyTorch reference (also the CPU fast path)
 
 
+def cache_rows(cache):
+    """A cache (num_pages, page_size, H_kv, D) as a (rows, D) view of its memory, with the row
+    strides s of a token slot and h of a head: slot i's head j is row i * s + j * h. One
+    index_select on it gathers any (slot, head) pairs, for a token-major cache (s = H_kv, h = 1)
+    and for the engine's head-major one (s = 1, h = num_pages * page_size) alike."""
+    NP, P, H, D = cache.shape
+    sp, st, sh, sd = cache.stride()
+    assert sd == 1 and st % D == 0 and (H == 1 or sh % D == 0) and sp == P * st, \
+        f"cache strides {cache.stride()}: D values must be contiguous, token slots evenly spaced"
+    n = ((NP * P - 1) * st + (H - 1) * sh) // D + 1
+    return cache.as_strided((n, D), (D, 1)), st // D, sh // D
+
+
 def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale=None):
     """The same contract in plain PyTorch, for the whole batch at once: gather the selected pages,
     mask padding and tokens past the end, softmax in fp32. Memory is B * H_kv * max_sel pages of
@@ -346,17 +363,17 @@ def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_se
     pos = page[..., None] * P + torch.arange(P, device=dev)  # (B, H_kv, S, P)
     tok_ok = (page_ok[..., None] & (pos < seq_lens[:, None, None, None])).view(B, H_kv, 1, S * P)
 
-    # one flat gather per cache: row ((phys * P + t) * H_kv + h) of a (pages * P * H_kv, D) view.
-    # Masked slots read token 0 of the row's first page instead, a real value (the cache may hold
-    # NaN elsewhere, and 0 * NaN is NaN), so V needs no masking; their scores are masked below.
+    # one flat gather per cache: the D values of (token slot phys * P + t, head h) are one row of
+    # a (rows, D) view, whatever the layout (token- or head-major). Masked slots read token 0 of
+    # the row's first page instead, a real value (the cache may hold NaN elsewhere, and 0 * NaN
+    # is NaN), so V needs no masking; their scores are masked below.
     heads = torch.arange(H_kv, device=dev)[None, :, None, None]  # (1, H_kv, 1, 1)
-    flat = (phys[..., None] * P + torch.arange(P, device=dev)) * H_kv + heads  # (B, H_kv, S, P)
+    slot = phys[..., None] * P + torch.arange(P, device=dev)  # (B, H_kv, S, P)
     # an empty row's table may hold anything
     page0 = torch.where(seq_lens > 0, page_table[:, 0].long(), 0)
-    first = (page0 * P * H_kv)[:, None, None, None] + heads  # token 0 of page 0, per head
-    flat = torch.where(tok_ok.view(B, H_kv, S, P), flat, first).reshape(-1)
-    k = k_cache.reshape(-1, D).index_select(0, flat).view(B, H_kv, S * P, D).float()
-    v = v_cache.reshape(-1, D).index_select(0, flat).view(B, H_kv, S * P, D).float()
+    slot = torch.where(tok_ok.view(B, H_kv, S, P), slot, (page0 * P)[:, None, None, None])
+    k, v = (rows.index_select(0, (slot * s + heads * h).view(-1)).view(B, H_kv, S * P, D).float()
+            for rows, s, h in (cache_rows(k_cache), cache_rows(v_cache)))
 
     qg = q.float().view(B, H_kv, G, D)  # the GQA group of each KV head, as G query positions
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=tok_ok, scale=scale)  # (B, H_kv, G, D)
@@ -385,11 +402,12 @@ def dense_decode_ref(q, k_cache, v_cache, slots, ok, scale=None):
     dtype."""
     B, H_q, D = q.shape
     H_kv = k_cache.shape[2]
-    # one gather of every slot for all KV heads at once -> (B, H_kv, T, D)
-    k = (k_cache.reshape(-1, H_kv, D).index_select(0, slots.view(-1))
-         .view(B, -1, H_kv, D).transpose(1, 2))
-    v = (v_cache.reshape(-1, H_kv, D).index_select(0, slots.view(-1))
-         .view(B, -1, H_kv, D).transpose(1, 2))
+    # one gather of every slot for all KV heads at once -> (B, H_kv, T, D), through cache_rows
+    # (token- and head-major caches alike)
+    heads = torch.arange(H_kv, device=q.device)
+    k, v = (rows.index_select(0, (slots[..., None] * s + heads * h).view(-1))
+            .view(B, -1, H_kv, D).transpose(1, 2)
+            for rows, s, h in (cache_rows(k_cache), cache_rows(v_cache)))
     # (B, H_kv, G, D): the GQA group of each KV head
     qg = q.reshape(B, H_kv, H_q // H_kv, D).float()
     out = F.scaled_dot_product_attention(qg, k.float(), v.float(), attn_mask=ok[:, None, None],
@@ -397,6 +415,75 @@ def dense_decode_ref(q, k_cache, v_cache, slots, ok, scale=None):
     # an empty sequence (no first token) outputs zeros
     out = torch.where(ok[:, :1, None, None], out, 0.0)
     return out.view(B, H_q, D).to(q.dtype)
+
+
+def length_mask(lens, T, dtype):
+    """(B, 1, 1, T) additive mask for attend_rows: 0 on row b's first lens[b] keys, -inf after."""
+    ok = torch.arange(T, device=lens.device) < lens[:, None]
+    mask = torch.zeros(ok.shape, dtype=dtype, device=lens.device).masked_fill_(~ok, -math.inf)
+    return mask[:, None, None]
+
+
+def attend_rows(q, k, v, mask=None, lse=False):
+    """Decode attention of q (B, H_kv, M, D), the M = G query heads of each KV head (or more: the
+    rows of a group over their shared prompt), over K, V (B, H_kv, T, D) with any strides, e.g. a
+    strided view of a cache whose rows are contiguous runs (no gather). mask: None (every key) or
+    length_mask(...); each row must read a key. Returns out (B, H_kv, M, D) in q's dtype, and with
+    lse=True also the log-sum-exp of each query's scaled scores (B, H_kv, M), for merge_attention
+    (the CPU flash kernel hands it back)."""
+    if not lse:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+
+
+def merge_attention(o1, lse1, o2, lse2):
+    """Attention over two disjoint sets of keys from each set's output (..., D) and log-sum-exp
+    (...): the softmax over their union, as flash-decoding merges its splits. Set 1 weighs
+    sigmoid(lse1 - lse2); a side with lse -inf has no keys (its output must be finite)."""
+    w1 = torch.sigmoid(lse1.float() - lse2.float())[..., None]
+    return torch.lerp(o2.float(), o1.float(), w1).to(o1.dtype)
+
+
+def prefix_index(slot_of, slot_lens, dtype, device):
+    """How shared_prefix_decode lays out the rows that share a prompt. slot_of[j]: row j's prefix
+    slot, or -1; slot_lens[s]: the prompt's tokens in slot s. None when no row has one, else (n,
+    mask, q_idx, slot, member, lone): n = max(slot_lens); mask = length_mask of the slots (None if
+    all equal); q_idx (S * R,) the row whose query is member i of slot s, at s * R + i (R: the
+    most rows of a slot; padding repeats row 0, its output unread); slot, member (B,) where row j's
+    output is; lone (B, 1, 1) True where a row has no prompt (None: none)."""
+    S, B = len(slot_lens), len(slot_of)
+    members, member = [[] for _ in range(S)], [0] * B
+    for j, s in enumerate(slot_of):
+        if s >= 0:
+            member[j] = len(members[s])
+            members[s].append(j)
+    R = max(map(len, members), default=0)
+    if not R:
+        return None
+    t = lambda x: torch.tensor(x, device=device)
+    n, lone = max(slot_lens), [s < 0 for s in slot_of]
+    return (n, length_mask(t(slot_lens), n, dtype) if len(set(slot_lens)) > 1 else None,
+            t([(js + [0] * R)[:R] for js in members]).view(-1), t([max(s, 0) for s in slot_of]),
+            t(member), t(lone)[:, None, None] if any(lone) else None)
+
+
+def shared_prefix_decode(q, k, v, mask, k_pre, v_pre, pre):
+    """Dense decode of q (B, H_kv, G, D) over each row's own keys k, v (B, H_kv, T, D) (mask: see
+    attend_rows) and over the prompt it shares with its group, stored once per prefix slot: k_pre,
+    v_pre (S, H_kv, n, D). Each slot's prompt is read once, its rows' queries side by side (pre =
+    prefix_index(...)); the two parts merge by log-sum-exp. -> (B, H_kv, G, D)"""
+    _, pre_mask, q_idx, slot, member, lone = pre
+    B, H, G, D = q.shape
+    S = k_pre.shape[0]
+    y, lse = attend_rows(q, k, v, mask, lse=True)
+    # (S, Hkv, R * G, D): the queries of each slot's rows, one copy
+    qp = q.transpose(0, 1).index_select(1, q_idx).view(H, S, -1, D).transpose(0, 1)
+    yp, lp = attend_rows(qp, k_pre, v_pre, pre_mask, lse=True)
+    R = q_idx.numel() // S
+    yp, lp = yp.unflatten(2, (R, G))[slot, :, member], lp.unflatten(2, (R, G))[slot, :, member]
+    if lone is not None:  # rows without a shared prompt: their own part alone
+        lp = lp.masked_fill(lone, -math.inf)
+    return merge_attention(y, lse, yp, lp)
 
 
 # -----------------------------------------------------------------------------

@@ -329,3 +329,76 @@ def test_cpu_dense_path_equals_the_reference(H_kv, G):
                                *bsd.dense_slots(case["page_table"], case["seq_lens"], 16))
     assert torch.isfinite(got).all() and (got[0] == 0).all()
     assert_close(got, want, torch.float32)
+
+
+def head_major(cache):
+    """The same cache stored head-major, (H_kv, num_pages, page_size, D) in memory, shown in the
+    contract's (num_pages, page_size, H_kv, D) shape: the rollout engine's layout."""
+    return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_head_major_cache_reads_the_same(sparse):
+    """Every reader takes any strides: the reference, the CPU dense path and the kernel give on a
+    head-major cache what they give on the token-major one."""
+    case, _, _ = make_case([0, 5, 33, 48], H_kv=2, G=3, D=64, sparse=sparse, seed=21)
+    hm = {**case, "k_cache": head_major(case["k_cache"]), "v_cache": head_major(case["v_cache"])}
+    assert not hm["k_cache"].is_contiguous()
+    want = block_sparse_decode_ref(**case)
+    assert torch.equal(block_sparse_decode_ref(**hm), want)
+    assert_close(block_sparse_decode(**hm), want, torch.float32)
+    if not sparse:
+        slots = bsd.dense_slots(case["page_table"], case["seq_lens"], 16)
+        assert_close(bsd.dense_decode_ref(hm["q"], hm["k_cache"], hm["v_cache"], *slots), want,
+                     torch.float32)
+
+
+def test_attend_rows_over_views_and_merged_by_lse():
+    """attend_rows on strided views with per-row lengths equals SDPA on the cut copies, and its
+    log-sum-exp is the scores'; attention over two disjoint key sets, merged by log-sum-exp,
+    equals attention over both; a side with lse -inf merges as if absent."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, M, D, T = 3, 2, 4, 32, 24
+    pool = torch.randn(H, B, T + 5, D, generator=gen)  # head-major rows with spare slots
+    k, v = pool[:, :, :T].transpose(0, 1), pool.flip(-1)[:, :, :T].transpose(0, 1)
+    q = torch.randn(B, H, M, D, generator=gen)
+    lens = torch.tensor([24, 9, 1])
+    mask = bsd.length_mask(lens, T, q.dtype)
+    out, lse = bsd.attend_rows(q, k, v, mask, lse=True)
+    for b in range(B):
+        n = int(lens[b])
+        want = F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+        assert (out[b] - want[0]).abs().max() <= 1e-5
+        s = (q[b] @ k[b, :, :n].transpose(-1, -2)) * D ** -0.5
+        assert (lse[b] - torch.logsumexp(s, -1)).abs().max() <= 1e-5
+    assert (bsd.attend_rows(q, k, v, mask) - out).abs().max() <= 1e-6  # without the lse
+    # the 24 keys split at 10: the two halves merged = the whole
+    a, la = bsd.attend_rows(q, k[:, :, :10], v[:, :, :10], None, lse=True)
+    b_, lb = bsd.attend_rows(q, k[:, :, 10:], v[:, :, 10:], None, lse=True)
+    full = F.scaled_dot_product_attention(q, k, v)
+    assert (bsd.merge_attention(a, la, b_, lb) - full).abs().max() <= 1e-5
+    none = torch.full_like(lb, float("-inf"))
+    assert (bsd.merge_attention(a, la, b_, none) - a).abs().max() <= 1e-6
+
+
+def test_shared_prefix_decode_equals_attention_over_prefix_and_own_keys():
+    """Rows 0, 1, 3 share prompt slot 0 (6 tokens), row 2 has none, row 4 shares slot 1 (4
+    tokens): each slot read once with its rows' queries side by side, merged with the rows' own
+    keys, equals attention over prompt + own keys row by row."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, G, D = 5, 2, 3, 16
+    q = torch.randn(B, H, G, D, generator=gen)
+    k, v = torch.randn(B, H, 7, D, generator=gen), torch.randn(B, H, 7, D, generator=gen)
+    lens = torch.tensor([7, 3, 5, 1, 2])
+    kp, vp = torch.randn(2, H, 6, D, generator=gen), torch.randn(2, H, 6, D, generator=gen)
+    slot_of = [0, 0, -1, 0, 1]
+    pre = bsd.prefix_index(slot_of, [6, 4], q.dtype, "cpu")
+    assert pre[0] == 6 and pre[2].numel() == 2 * 3  # two slots of up to three rows
+    got = bsd.shared_prefix_decode(q, k, v, bsd.length_mask(lens, 7, q.dtype), kp, vp, pre)
+    for b in range(B):
+        s, m = slot_of[b], int(lens[b])
+        keys = [kp[s, :, :[6, 4][s]]] * (s >= 0) + [k[b, :, :m]]
+        vals = [vp[s, :, :[6, 4][s]]] * (s >= 0) + [v[b, :, :m]]
+        want = F.scaled_dot_product_attention(q[b], torch.cat(keys, 1), torch.cat(vals, 1))
+        assert (got[b] - want).abs().max() <= 1e-5, b
+    assert bsd.prefix_index([-1, -1], [6], q.dtype, "cpu") is None

@@ -88,3 +88,35 @@ def test_packed_equals_padded():
 def test_unsupported_model_type_is_named():
     with pytest.raises(ValueError, match="llama"):
         ModelConfig.from_hf({"model_type": "llama"})
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_packed_weights_match_the_modules(kind, monkeypatch):
+    """Inside Transformer.packed() (the engine's CPU path: q|k|v and gate|up as one oneDNN matmul
+    each) the forward equals the plain one; the copies go on exit, and a weight changed between two
+    calls is read fresh. Groups with a LoRA layer keep the modules' forwards, the rest is packed."""
+    from model import add_lora
+    monkeypatch.setattr(Transformer, "PACK_MIN_HIDDEN", 0)  # this model is narrow
+    ref = hf_model(kind, tie=False)
+    ours = Transformer(ModelConfig.from_hf(ref.config.to_dict())).eval()
+    ours.load_state_dict(ref.state_dict(), strict=False)
+    idx = torch.randint(0, COMMON["vocab_size"], (3, 11))
+    with torch.no_grad():
+        want = ours(idx)
+        with ours.packed():
+            assert set(ours.model.layers[0].self_attn.packs) == {"qkv", "o"}
+            assert (ours(idx) - want).abs().max().item() <= 1e-5
+        assert not ours.model.layers[0].self_attn.packs and not ours.packs
+        ours.model.layers[0].self_attn.v_proj.weight.mul_(1.5)  # between two calls
+        with ours.packed():
+            got = ours(idx)
+        assert (got - ours(idx)).abs().max().item() <= 1e-5 and (got - want).abs().max() > 1e-3
+        add_lora(ours, r=2, alpha=4, targets=["q_proj", "up_proj"])
+        for _, m in ours.named_modules():
+            if hasattr(m, "lora_B"):
+                m.lora_B.weight.normal_()  # a live adapter
+        want = ours(idx)
+        with ours.packed():
+            attn = ours.model.layers[0].self_attn
+            assert set(attn.packs) == {"o"}  # q_proj is adapted: q|k|v runs module by module
+            assert (ours(idx) - want).abs().max().item() <= 1e-5

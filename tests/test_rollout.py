@@ -145,11 +145,49 @@ def test_prefix_is_prefilled_once_and_its_pages_are_shared(monkeypatch):
     assert len({tuple(table[r, :2].tolist()) for r in (6, 7, 8)}) == 1  # prompt 2 fills 2 pages: all shared
     assert len({table[r, 2].item() for r in (6, 7, 8)}) == 3  # its rows' first own pages
     assert len({table[r, 0].item() for r in (3, 4, 5)}) == 3  # prompt 1 is shorter than a page: nothing shared
-    assert sorted(cache.free) == list(range(cache.num_pages)) and t["pages_free_end"] == t["pages_total"]
+    assert cache.used == 0 and cache.refs == [0] * cache.num_pages and t["pages_free_end"] == t["pages_total"]
     # sharing changes the work, not the result
     alone = Engine(m, tok, max_new_tokens=6, temperature=0.0, page_size=ps, share_prefix=False).generate(prompts, G)
     assert alone.timings["prefill_tokens"] == t["prefill_tokens_naive"]
     assert torch.equal(alone.tokens, ro.tokens) and torch.allclose(alone.logp, ro.logp, atol=1e-5, rtol=0)
+
+
+def test_lanes_equal_the_free_list_and_the_naive_loop(monkeypatch):
+    """The default pool (lanes: each row's own tokens read in place, a shared prompt's pages read
+    once per group, rows moved into the lanes that finished rows leave) against a capped pool
+    (free list, every token gathered) and the naive loop: sampling, with EOS tokens common enough
+    that rows finish at different steps, over shared and unshared ragged prompts."""
+    m, tok = tiny_model(seed=1), CharTok()
+    prompts = RAGGED + [[3] * 9]
+    kw = dict(max_new_tokens=12, temperature=1.0, page_size=4, eos_ids=[5, 6, 7])
+    moved = []
+    compact = rollout.PagedKVCache._compact
+    monkeypatch.setattr(rollout.PagedKVCache, "_compact", lambda self, rows: (
+        moved.append(sum(self.lane[r] >= len(rows) for r in rows)), compact(self, rows))[1])
+    lanes = Engine(m, tok, **kw).generate(prompts, group_size=3, seed=4)
+    assert sum(moved) > 0  # rows did move into freed lanes
+    n = lanes.mask.sum(1)
+    assert n.min() < n.max() == 12  # some rows stopped early, others ran to the end
+    capped = Engine(m, tok, num_pages=10_000, **kw).generate(prompts, group_size=3, seed=4)
+    assert torch.equal(capped.tokens, lanes.tokens)
+    assert torch.allclose(capped.logp, lanes.logp, atol=1e-5, rtol=0)
+    ref_tok, ref_lp = generate_naive(m, tok, prompts, 3, seed=4, max_new_tokens=12,
+                                     temperature=1.0, eos_ids=[5, 6, 7])
+    assert_same_generation(lanes, ref_tok, ref_lp)
+
+
+def test_rows_move_into_freed_lanes_before_owning_a_page():
+    """Rows that finish at their first token free lanes 0 and 1; the rows of a prompt of exactly
+    two pages (shared, nothing of their own yet) move down and decode on as the naive loop does."""
+    m, tok = tiny_model(seed=2), CharTok()
+    prompts, kw = [RAGGED[0], RAGGED[2]], dict(max_new_tokens=6, temperature=0.0, page_size=4)
+    first = Engine(m, tok, **kw).generate(prompts, 2).tokens[:, 0].tolist()
+    assert first[0] != first[2]  # the seed gives the two prompts different first tokens
+    ro = Engine(m, tok, eos_ids=[first[0]], **kw).generate(prompts, 2)
+    assert ro.mask.sum(1).tolist()[:2] == [1, 1] and ro.mask[2:].all()
+    ref_tok, ref_lp = generate_naive(m, tok, prompts, 2, max_new_tokens=6, temperature=0.0,
+                                     eos_ids=[first[0]])
+    assert_same_generation(ro, ref_tok, ref_lp)
 
 
 def test_finished_rows_give_their_pages_back(monkeypatch):
@@ -157,18 +195,18 @@ def test_finished_rows_give_their_pages_back(monkeypatch):
     first = Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2).generate(RAGGED, 1)
     eos = int(first.tokens[1, 2])  # make row 1 stop at its third token
     caches = capture_caches(monkeypatch)
-    events = []  # "decode" per step, and the pages that each release returned to the free list
+    events = []  # "decode" per step, and the pages that each release gave back
     begin, release = rollout.PagedKVCache.begin_decode, rollout.PagedKVCache.release
     monkeypatch.setattr(rollout.PagedKVCache, "begin_decode", lambda self, rows: (events.append("decode"),
                                                                                    begin(self, rows))[1])
     monkeypatch.setattr(rollout.PagedKVCache, "release", lambda self, seq: events.append(
-        -len(self.free) + (release(self, seq), len(self.free))[1]))
+        self.used - (release(self, seq), self.used)[1]))
     ro = Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2, eos_ids=[eos]).generate(RAGGED, 1)
     assert ro.finish[1] == "eos" and int(ro.mask[1].sum()) <= 3
     cache = caches[0]
     first_free = next(i for i, e in enumerate(events) if e != "decode")
     assert events[first_free] > 0 and "decode" in events[first_free:]  # freed mid-way, while others decode on
-    assert sorted(cache.free) == list(range(cache.num_pages))
+    assert cache.used == 0 and cache.refs == [0] * cache.num_pages
     # a pool too small for every row at full length still suffices when finished rows free their pages
     need = ro.timings["pages_peak"]
     ro2 = Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2, eos_ids=[eos], num_pages=need).generate(RAGGED, 1)
