@@ -448,7 +448,8 @@ def lora_modules(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
-def _swap(model, name, new):
+def swap_module(model, name, new):
+    """Put `new` where the submodule called `name` was (LoRA, N:M and RoI wrappers use it)."""
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, new)
 
@@ -485,7 +486,7 @@ def add_lora(model, r=8, alpha=16, dropout=0.0, targets=LORA_TARGETS):
         raise ValueError(f"add_lora: targets {missing} match no nn.Linear in the model")
     model.requires_grad_(False)
     for name in (n for names in hits.values() for n in names):
-        _swap(model, name, LoRALinear(model.get_submodule(name), r, alpha, dropout))
+        swap_module(model, name, LoRALinear(model.get_submodule(name), r, alpha, dropout))
     # for save_adapter
     model.lora_config = dict(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets)
     return model
@@ -524,7 +525,7 @@ def merge_lora(model):
                          f"disabled; enable it")
     for name, m in mods:
         m.base_layer.weight.copy_(m.merged_weight())
-        _swap(model, name, m.base_layer)
+        swap_module(model, name, m.base_layer)
     model.__dict__.pop("lora_config", None)
     return model
 

@@ -1,6 +1,7 @@
 """
-report.py: what a person reads of a run. The step's log lines, the summary table at the end, and
-out_dir/run.png. train.py calls these; every figure they show is also in out_dir/metrics.jsonl.
+report.py: what a person reads of a run. The step's log lines, the summary table at the end,
+out_dir/run.png, and the hardware line every measured figure names. train.py calls these; every
+figure they show is also in out_dir/metrics.jsonl.
 
 The step lines, one stage after another (the README explains each label):
     step   12  kept 14/16 in 2 tries | rollout 0.65s len 34 kv 1.00 | reward 0.858 verify 0.00
@@ -12,7 +13,11 @@ Simplifications:
     2. The plot is reward per step and greedy held-out accuracy at each evaluation, nothing more.
 """
 
+import os
+import platform
+
 import matplotlib
+import torch
 
 matplotlib.use("Agg")  # the plot is a file: no display needed
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
@@ -134,3 +139,17 @@ def plot(history, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def hardware(gpu=False):
+    """Where a figure was measured: '<cpu model>, <n> cores, <t> threads', or the GPU's name."""
+    if gpu:
+        return torch.cuda.get_device_name(0)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"

@@ -46,7 +46,6 @@ import copy
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -56,7 +55,8 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from config import cli, parse_config
-from model import Transformer
+from model import Transformer, swap_module
+from report import hardware
 from reward import score
 from rollout import Engine
 from sparsity import NM_SKIP, SRSTE, apply_nm, nm_linears, nm_mask, wanda_scores
@@ -204,11 +204,7 @@ class RoI:
         for p in self.model.parameters():
             p.requires_grad_(False)
         for wname, layer in self.layers.items():
-            self._swap(wname, layer)
-
-    def _swap(self, wname, module):
-        parent, _, child = wname[:-len(".weight")].rpartition(".")
-        setattr(self.model.get_submodule(parent), child, module)
+            swap_module(self.model, wname[:-len(".weight")], layer)
 
     def parameters(self):
         return [layer.logits for layer in self.layers.values()]
@@ -235,7 +231,7 @@ class RoI:
         for wname, layer in self.layers.items():
             masks[wname] = layer.hard_mask()
             layer.weight.masked_fill_(~masks[wname], 0)
-            self._swap(wname, self.linears[wname])
+            swap_module(self.model, wname[:-len(".weight")], self.linears[wname])
         for p, flag in self.grad_flags.items():
             p.requires_grad_(flag)
         return masks
@@ -350,7 +346,6 @@ def check_nm(model, masks, n, m):
 # ----------------------------------------------------------------------------- the comparison
 
 METHODS = ("magnitude", "wanda", "sr-ste", "roi")
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench", "RESULTS.md")
 
 
 def mask_with(method, model, tok, n, m, args, data, log):
@@ -363,20 +358,6 @@ def mask_with(method, model, tok, n, m, args, data, log):
     if method == "sr-ste":
         return finetune_srste(model, tok, n, m, data["train"], lr=args.srste_lr, **kw)
     return learn_roi(model, tok, n, m, data["train"], lr=args.roi_lr, scores=scores, **kw)
-
-
-def hardware():
-    """'<cpu model>, <n> cores, <t> threads' (or the GPU's name)."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
 def compare(args, log=print):
@@ -410,7 +391,8 @@ def compare(args, log=print):
     stem = os.path.join(args.out_dir, f"compare_{args.steps}steps")
     with open(stem + ".json", "w") as f:
         json.dump(dict(rows=rows, args={k: v for k, v in vars(args).items() if k != "func"},
-                       hardware=hardware(), params=dense.num_params()), f, indent=1)
+                       hardware=hardware(gpu=torch.cuda.is_available()),
+                       params=dense.num_params()), f, indent=1)
     table = results_table(rows)
     with open(stem + ".md", "w") as f:
         f.write(table + "\n")

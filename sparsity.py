@@ -32,9 +32,9 @@ Simplifications:
        is read for the whole group and matters if it matters to any one of its heads.
     4. Scores are fp32 and unscaled (1/sqrt(D) does not change a ranking).
 
-The sparse-to-dense mismatch (Sparrow): alpha, the acceptance rate of speculative decoding. Sparrow's
-statistic is per POSITION: alpha_t = sum_v min(p_dense(v), p_sparse(v)) = 1 - TV at every sampled
-position, and its thresholds (p5 >= 0.86 per bin) are defined on that.
+The sparse-to-dense mismatch (Sparrow): alpha, the acceptance rate of speculative decoding.
+Sparrow's statistic is per POSITION: alpha_t = sum_v min(p_dense(v), p_sparse(v)) = 1 - TV at every
+sampled position, and its thresholds (p5 >= 0.86 per bin) are defined on that.
     dense_alpha(model, prompt_ids, ro)    alpha_t for a rollout: the engine's kept distribution
                                           (the whole vocabulary: exact; top-k: a lower bound)
                                           against a plain full dense forward. What calibration,
@@ -72,6 +72,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from model import swap_module
 
 # --------------------------------------------------------------------------- budgets: pages to read
 
@@ -331,13 +333,13 @@ def alpha_k(vocab_size, topk=20):
 
 @torch.no_grad()
 def dense_alpha(model, prompt_ids, ro, temperature=1.0, micro_batch=16, chunk=4096):
-    """Sparrow's mismatch statistic, per position: alpha_t = sum_v min(p_dense(v), p_rollout(v)) = 1 - TV
-    at every sampled position of a rollout. The rollout side is what the engine kept of its distribution
-    (Engine(topk_logprobs=k): ro.topk_logp, ro.topk_ids): the whole vocabulary gives alpha exactly, a top-k
-    list a lower bound (alpha_topk). The dense side is a plain full forward of `model` (the policy, dense
-    attention, full precision) over prompt + completion, whole distribution. -> (N, T) alpha, 0 where
-    ro.mask is False. Rows go `micro_batch` at a time, right-padded; the vocabulary projection `chunk`
-    positions at a time."""
+    """Sparrow's mismatch statistic, per position: alpha_t = sum_v min(p_dense(v), p_rollout(v))
+    = 1 - TV at every sampled position of a rollout. The rollout side is what the engine kept of its
+    distribution (Engine(topk_logprobs=k): ro.topk_logp, ro.topk_ids): the whole vocabulary gives
+    alpha exactly, a top-k list a lower bound (alpha_topk). The dense side is a plain full forward
+    of `model` (the policy, dense attention, full precision) over prompt + completion, whole
+    distribution. -> (N, T) alpha, 0 where ro.mask is False. Rows go `micro_batch` at a time,
+    right-padded; the vocabulary projection `chunk` positions at a time."""
     if ro.topk_logp is None:
         raise ValueError("dense_alpha needs the rollout's distribution: build the Engine with "
                          "topk_logprobs=k (the vocabulary size for alpha exactly)")
@@ -349,17 +351,18 @@ def dense_alpha(model, prompt_ids, ro, temperature=1.0, micro_batch=16, chunk=40
         rows = [r for r in rows.tolist() if lens[r]]
         if not rows:
             continue
-        seqs = [list(prompt_ids[int(ro.prompt_index[r])]) + ro.tokens[r, :lens[r]].tolist() for r in rows]
+        seqs = [list(prompt_ids[int(ro.prompt_index[r])]) + ro.tokens[r, :lens[r]].tolist()
+                for r in rows]
         ids = torch.zeros(len(rows), max(len(s) for s in seqs), dtype=torch.long)
         sel = torch.zeros(ids.shape, dtype=torch.bool)  # the positions that predict a sampled token
         for j, (s, r) in enumerate(zip(seqs, rows)):
             ids[j, :len(s)] = torch.tensor(s)
             sel[j, len(s) - lens[r] - 1:len(s) - 1] = True  # position p predicts token p + 1
-        h = model(ids.to(dev), hidden=True)[sel.to(dev)]  # (M, C), row-major: row j's tokens in order
+        h = model(ids.to(dev), hidden=True)[sel.to(dev)]  # (M, C), row-major: row by row
         m = ro.mask[rows]  # the same M positions, in the same order
         q_logp, q_ids = ro.topk_logp[rows][m], ro.topk_ids[rows][m]  # (M, k)
         out = []
-        for a in range(0, h.shape[0], chunk):  # (chunk, V) logits at a time: a large vocabulary fits
+        for a in range(0, h.shape[0], chunk):  # (chunk, V) logits at a time: large vocabularies fit
             p = F.log_softmax(model.lm_head(h[a:a + chunk]).float() / t, -1)
             out.append(alpha_topk(q_logp[a:a + chunk].to(dev), q_ids[a:a + chunk].to(dev), p).cpu())
         alpha[rows] = alpha[rows].masked_scatter(m, torch.cat(out))
@@ -531,11 +534,7 @@ class SRSTE:
             except ValueError as e:
                 raise ValueError(f"SRSTE: layer {name}: {e}") from None
         for wname, layer in self.layers.items():
-            self._swap(wname, layer)
-
-    def _swap(self, wname, module):
-        parent, _, child = wname[:-len(".weight")].rpartition(".")
-        setattr(self.model.get_submodule(parent), child, module)
+            swap_module(self.model, wname[:-len(".weight")], layer)
 
     def step(self):
         """Call after each optimizer step: every `every` steps the masks follow the weights."""
@@ -554,7 +553,7 @@ class SRSTE:
         for wname, layer in self.layers.items():
             layer.remask()
             layer.weight.masked_fill_(~layer.mask, 0)
-            self._swap(wname, self.linears[wname])
+            swap_module(self.model, wname[:-len(".weight")], self.linears[wname])
         return self.masks()
 
 

@@ -14,30 +14,16 @@ Simplifications:
 """
 
 import os
-import platform
 import time
 
 import torch
 
 from model import ModelConfig, Transformer
+from report import hardware  # noqa: F401  (the sections import it from here)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 TABLE_HEAD = ["| figure | ours | baseline | ratio | target | hardware | command |",
               "|---|---|---|---|---|---|---|"]
-
-
-def hardware(gpu=False):
-    """Where a row was measured: '<cpu model>, <n> cores, <t> threads', or the GPU's name."""
-    if gpu:
-        return torch.cuda.get_device_name(0)
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
 
 
 def best_of(fns, repeats, warmup=1):

@@ -11,12 +11,13 @@ from config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Top to bottom: a module may import only modules below it. train.py at the top; then the CLI of
-# calibrate.py (which builds the policy as a run would); then what builds a run; the stages; the
-# leaves.
-ORDER = ["train", "report", "calibrate", "roi", "warmstart", "parallel", "checkpoint", "distill",
-         "update", "copies", "sync", "rollout", "kernels.block_sparse_decode", "sparsity", "prompts", "reward",
-         "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers", "model", "config"]
+# Top to bottom: a module may import only modules below it. train.py at the top; then the CLIs of
+# calibrate.py and roi.py (which build the policy as a run would); report.py; what builds a run; the
+# stages; the leaves.
+ORDER = ["train", "calibrate", "roi", "report", "warmstart", "parallel", "checkpoint", "distill",
+         "update", "copies", "sync", "rollout", "kernels.block_sparse_decode", "sparsity",
+         "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers",
+         "model", "config"]
 CORE_MAX_LINES = 650
 FUNCTION_MAX_LINES = 80
 # the Triton kernel: one body, as the compiler wants it

@@ -21,14 +21,6 @@ from tasks import build_char_tokenizer
 PAIRS = [(1, 4), (2, 4), (2, 8), (4, 8), (1, 2), (3, 4), (1, 8), (4, 4)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_model(seed=0, vocab=30, moe=False):
     torch.manual_seed(seed)
     extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if moe else {}
