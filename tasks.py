@@ -32,6 +32,7 @@ import json
 import os
 import random
 import string
+import tempfile
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -147,9 +148,16 @@ def build_char_tokenizer(out_dir: str) -> "PreTrainedTokenizerFast":
         tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
         clean_up_tokenization_spaces=False,  # would otherwise rewrite " ." -> "." on decode
     )
+    # every rank of a torchrun job calls this on the same folder: each writes a private copy, reads
+    # it back, then renames its files into place one by one (same bytes, so any order is complete)
     os.makedirs(out_dir, exist_ok=True)
-    fast.save_pretrained(out_dir)
-    return AutoTokenizer.from_pretrained(out_dir)
+    mine = tempfile.mkdtemp(dir=out_dir, prefix=".tmp-")
+    fast.save_pretrained(mine)
+    tok = AutoTokenizer.from_pretrained(mine)
+    for name in os.listdir(mine):
+        os.replace(os.path.join(mine, name), os.path.join(out_dir, name))
+    os.rmdir(mine)
+    return tok
 
 
 def format_prompt(tokenizer, problem: Problem, chat_template: bool) -> str:

@@ -1,5 +1,6 @@
 import json
 import os
+import subprocess
 import sys
 import warnings
 
@@ -103,6 +104,17 @@ def test_char_tokenizer_saved_files(tmp_path):
     build_char_tokenizer(str(tmp_path / "tok"))
     assert (tmp_path / "tok" / "tokenizer.json").exists()
     assert (tmp_path / "tok" / "tokenizer_config.json").exists()
+    assert not [p for p in (tmp_path / "tok").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_char_tokenizer_built_by_many_processes_at_once(tmp_path):
+    # the ranks of a torchrun job all build it in the same folder: none may read another's half-file
+    code = ("import sys; sys.path.insert(0, '.'); from tasks import build_char_tokenizer as b; "
+            f"[b({str(tmp_path / 'tok')!r}).encode('a=1') for _ in range(40)]")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE)
+             for _ in range(4)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errs
 
 
 @pytest.mark.parametrize("s", [
