@@ -41,6 +41,10 @@ class Config:
     n_head: int = 4
     n_kv_head: int = 2
     ffn: int = 384
+    # > 0: the tiny model is a Qwen3-MoE, every layer this many experts of width moe_ffn, top-k
+    n_expert: int = 0
+    n_expert_active: int = 2  # k of the top-k
+    moe_ffn: int = 96
     # data
     # synthetic | gsm8k | math | code (MBPP, rewarded by unit tests in the sandbox)
     task: str = "synthetic"
@@ -143,10 +147,17 @@ class Config:
     lora_r: int = 0
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
-    # same | bf16 | fp8 | nm2:4 (any nN:M): the weights that generate rollouts
+    # same | bf16 | fp8 | nm2:4 (any nN:M) | a plan file *.json (examples/hirelc.py): the weights
+    # that generate rollouts
     rollout_copy: str = "same"
+    # an N:M copy's masks: magnitude | wanda (calibrated on the task's prompts) | a roi.py mask file
+    rollout_copy_mask: str = "magnitude"
     # none | tis | mis: importance weights for the rollout/trainer mismatch
     is_correction: str = "tis"
+    # MoE router replay (R3): off | logprob (logp_old's pass routes through the rollout's experts)
+    # | update (the training forwards too). Gate weights come from the current router
+    router_replay: str = "off"
+    moe_aux_coef: float = 0.0  # MoE: weight of the load-balancing loss (Qwen3-MoE uses 0.001)
     is_cap: float = 2.0  # tis: weight = min(p_train / p_rollout, is_cap)
     mis_low: float = 0.5  # mis: tokens whose ratio leaves [mis_low, mis_high] are dropped
     mis_high: float = 2.0
@@ -233,16 +244,18 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "order": ("defined", "shuffled"), "kv_scorer": ("centroid", "quest", "oracle"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
            "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
-           "max_staleness": (0, 1)}
+           "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update")}
 POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head",
-            "n_kv_head", "ffn", "prompts_per_step", "max_new_tokens", "page_size", "kv_bin_pages",
+            "n_kv_head", "ffn", "moe_ffn", "prompts_per_step", "max_new_tokens", "page_size",
+            "kv_bin_pages",
             "calib_prompts", "distill_lr", "judge_timeout_s", "alpha_topk", "grad_clip", "passes",
             "minibatches", "micro_batch", "lora_alpha", "is_cap", "adv_eps", "eval_every",
             "save_every", "max_skipped")
 NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_compare_every",
                 "distill_r", "distill_coef", "refill_tries", "min_spread", "max_chars",
                 "overlong_buffer", "overlong_penalty", "steps", "warmup_steps", "weight_decay",
-                "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise")
+                "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise", "n_expert",
+                "moe_aux_coef")
 UNIT = ("sft_noise", "top_p", "kv_target", "explore", "min_lr_ratio", "lora_dropout",
         "clip_low")  # within [0, 1]
 
@@ -288,17 +301,27 @@ def check(cfg):
     if not cfg.kv_candidates or min(cfg.kv_candidates) < 1:
         raise bad("kv_candidates", "page counts >= 1")
     # nmN:M also needs 0 < N <= M, which the pattern cannot say
-    if not re.fullmatch(r"same|bf16|fp8|nm|(nm)?\d+:\d+", cfg.rollout_copy) or (
-            ":" in cfg.rollout_copy
+    plan = cfg.rollout_copy.endswith(".json")
+    if plan and not os.path.isfile(cfg.rollout_copy):
+        raise bad("rollout_copy", "an existing plan file when it names a .json")
+    if not plan and not re.fullmatch(r"same|bf16|fp8|nm|(nm)?\d+:\d+", cfg.rollout_copy) or (
+            ":" in cfg.rollout_copy and not plan
             and not 0 < int(cfg.rollout_copy.split(":")[0].lstrip("nm"))
             <= int(cfg.rollout_copy.split(":")[1])):
-        raise bad("rollout_copy", "same, bf16, fp8 or nmN:M with 0 < N <= M")
+        raise bad("rollout_copy", "same, bf16, fp8, nmN:M with 0 < N <= M, or a plan file *.json")
+    if cfg.rollout_copy_mask not in ("magnitude", "wanda") and (
+            not os.path.exists(cfg.rollout_copy_mask)
+            or not (plan or cfg.rollout_copy.startswith("nm") or ":" in cfg.rollout_copy)):
+        raise bad("rollout_copy_mask", "magnitude, wanda or an existing mask file (roi.py's "
+                                       "masks.pt or its folder), with an N:M rollout_copy")
     if cfg.nm and (not re.fullmatch(r"\d+:\d+", cfg.nm)
                    or not 0 < int(cfg.nm.split(":")[0]) <= int(cfg.nm.split(":")[1])):
         raise bad("nm", "empty or N:M with 0 < N <= M, e.g. 2:4")
     if cfg.nm and (cfg.lora_r or cfg.fsdp):
         raise bad("nm", "empty with lora_r or fsdp (an adapter's update is dense; masks are not "
                         "sharded)")
+    if cfg.n_expert and not 1 <= cfg.n_expert_active <= cfg.n_expert:
+        raise bad("n_expert_active", f"within [1, n_expert={cfg.n_expert}]")
     check_kv_budget(cfg)
     check_processes(cfg)
 

@@ -4,9 +4,9 @@ rollout engine.
 
 What it is:
     RMSNorm, rotary position embeddings, grouped-query attention with per-head q/k RMSNorm, a SwiGLU
-    MLP, and the Qwen3-MoE block (softmax router, top-k experts, optional renormalisation of the
-    top-k weights). Parameter names mirror Hugging Face's, so a checkpoint maps one to one onto
-    `state_dict()`.
+    MLP, and the Qwen3-MoE block (moe.py: softmax router, top-k experts, optional renormalisation of
+    the top-k weights; router replay). Parameter names mirror Hugging Face's, so a checkpoint maps
+    one to one onto `state_dict()`.
 
     model = Transformer.from_pretrained("Qwen/Qwen3-0.6B")  # hub name (online) or a local folder
     logits = model(idx)                 # (B, T, V) training forward, right padding ok
@@ -42,7 +42,7 @@ Simplifications:
     1. No sliding-window attention, no rope scaling variants (Qwen3's dense and MoE checkpoints use
        neither).
     2. MoE experts run as a loop over the experts that received tokens, like the reference
-       implementation; good enough for small expert counts, not a grouped-GEMM kernel.
+       implementation (moe.py); good enough for small expert counts, not a grouped-GEMM kernel.
     3. No dropout (RL fine-tuning runs without it), except LoRA's optional input dropout.
     4. LoRA: one adapter per model, one rank and alpha for every target; no DoRA, no rsLoRA, no
        embedding adapters.
@@ -59,6 +59,8 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from moe import MoE
 
 try:  # optional: packed (no padding) training on a CUDA machine
     from flash_attn import flash_attn_varlen_func
@@ -228,46 +230,14 @@ class MLP(nn.Module):
         return linears(F.silu(gate) * up, (self.down_proj,), self.packs.get("down"))[0]
 
 
-class MoE(nn.Module):
-    """Softmax router over all experts, keep the top-k, optionally renormalise them to sum to one.
-    `self.last_experts` holds the (tokens, k) expert ids of the last forward, for router replay
-    (R3): set `self.replay` to such a tensor and the next forward routes through those instead."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.num_experts))
-        self.last_experts, self.replay = None, None
-
-    def forward(self, x):
-        B, T, C = x.shape
-        x = x.reshape(-1, C)  # (N, C)
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (N, E)
-        if self.replay is not None:
-            idx = self.replay.to(x.device)
-            w = probs.gather(-1, idx)  # the recorded experts, weighted by this forward's router
-        else:
-            w, idx = probs.topk(self.k, dim=-1)  # (N, k)
-        if self.norm_topk:
-            w = w / w.sum(-1, keepdim=True)
-        w = w.to(x.dtype)
-        self.last_experts = idx.detach()
-        out = torch.zeros_like(x)
-        for e in idx.unique().tolist():  # CPU-GPU sync point; fine at reference scale
-            tok, slot = torch.where(idx == e)  # the tokens routed to e, and which of their k picks
-            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, slot, None])  # sum over k
-        return out.view(B, T, C)
-
-
 class Block(nn.Module):
     def __init__(self, cfg, i):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, i)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (MoE(cfg, lambda: MLP(cfg.hidden_size, cfg.moe_intermediate_size))
+                    if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size))
 
     def forward(self, x, cos, sin, **kw):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, **kw)

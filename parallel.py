@@ -130,15 +130,16 @@ def exchange(collected, role):
     return [k for kept, _ in parts for k in kept][role.me::role.n], dict(parts[0][1])
 
 
-def shipper(model, role):
+def shipper(model, role, copy=None):
     """Disaggregated mode's two ends of stage 5: (a Sender on trainer 0, a Receiver on each rollout
     rank), each None elsewhere. Both start from the same weights, so the first update is already a
-    delta."""
+    delta. With `copy` (a bf16 rollout copy) the deltas ship in the copy's dtype, into the copy."""
     if not role.split:
         return None, None
-    sender = (Sender(model, mode="delta", synced=True) if dist.get_rank() == role.trainers[0]
-              else None)
-    return sender, Receiver(model) if role.collects else None
+    dtype = None if copy is None else next(copy.parameters()).dtype
+    sender = (Sender(model, dtype=dtype, mode="delta", synced=True)
+              if dist.get_rank() == role.trainers[0] else None)
+    return sender, Receiver(model if copy is None else copy) if role.collects else None
 
 
 def ship(sender, receiver, role, version, rec):
@@ -149,7 +150,7 @@ def ship(sender, receiver, role, version, rec):
                            role.trainers[0])
     if sender:
         st = sender.stats()
-        rec.update(sync_bytes=st["bytes"], sync_ratio=st["ratio"])
+        rec.update(sync_bytes=st["bytes"], sync_full_bytes=st["full_bytes"], sync_ratio=st["ratio"])
     if receiver:
         receiver.apply(upd)
     return receiver is not None

@@ -40,6 +40,8 @@ def step_lines(rec):
     extra = (g("rollout_speedup", "rollout vs dense {:.2f}x"), g("kv_table", "kv table {}"),
              f"p5 alpha per bin {[round(x, 2) for x in bins]}" if bins else "",
              g("distill_kl", "distill kl {:.4f}"), nz("errors", "reward errors {}"),
+             g("moe_diff", "moe routes differ {:.3f}") + g("moe_diff_tok", " (tokens {:.2f})")
+             + g("alpha_own_p5", ", p5 alpha own {:.3f}") + g("alpha_replay_p5", " replay {:.3f}"),
              nz("timeouts", "reward timeouts {}"), nz("truncated", "truncated {}"),
              nz("skipped_nonfinite", "NONFINITE steps skipped {}"),
              g("sync_bytes", "sync {:,} bytes") + g("sync_ratio", " ({:.3f} of full)"))

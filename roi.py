@@ -7,8 +7,10 @@ model; and the comparison of the mask methods on a small model that the project 
     python roi.py compare --out_dir=out/roi --threads=1 --steps=30  # and 150: bench/RESULTS.md
 
 MODEL_DIR is a Hugging Face folder (model.Transformer.from_pretrained) with its tokenizer; OUT_DIR
-gets the masked model (save_pretrained: pruned weights stored as zeros) and the tokenizer. The
-data is the synthetic task's problems with their reference traces (prompt + trace + EOS).
+gets the masked model (save_pretrained: pruned weights stored as zeros), the tokenizer, nm.json and
+masks.pt (the bool masks by weight name: `python train.py --rollout_copy=nm2:4
+--rollout_copy_mask=OUT_DIR` runs a rollout copy under them). The data is the synthetic task's
+problems with their reference traces (prompt + trace + EOS).
 
 How RoI learns a mask (a group is m consecutive inputs of one output row, as in sparsity.nm_mask):
     1. The model's weights are frozen; every prunable Linear (sparsity.NM_SKIP: not the head, the
@@ -464,6 +466,9 @@ def mask_saved(args, log=print):
     tok.save_pretrained(args.out)
     with open(os.path.join(args.out, "nm.json"), "w") as f:
         json.dump(dict(n=n, m=m, method=method, layers=sorted(masks)), f, indent=1)
+    # the masks themselves, for a rollout copy of another model of this shape (copies.load_masks)
+    torch.save(dict(n=n, m=m, method=method, masks={k: v.cpu() for k, v in masks.items()}),
+               os.path.join(args.out, "masks.pt"))
     kept = sum(int(k.sum()) for k in masks.values()) / sum(k.numel() for k in masks.values())
     ppl = f"; held-out perplexity {before:.4f} -> {perplexity(model, held):.4f}" if held else ""
     log(f"wrote {args.out}: {method}, {n}:{m} on {len(masks)} Linear ({kept:.3f} of their "

@@ -7,6 +7,7 @@ prompt prefilled once per group and, optionally, block-sparse decode attention.
     ro = engine.generate(prompt_ids, group_size=8, seed=0)  # prompt_ids: list of token-id lists
     ro.tokens, ro.mask, ro.logp     # (N, T) completions, sampled-token mask, log-probs
     ro.budget, ro.timings           # (N, T) KV pages read per position; timings, counts
+    ro.experts                      # MoE only: moe.Routes, the experts of every token and layer
 
     engine = Engine(model, tokenizer, topk_logprobs=20)  # also: the top-20 of each distribution
     ro.topk_logp, ro.topk_ids       # (N, T, 20) for the mismatch statistic (sparsity.py)
@@ -29,8 +30,8 @@ What one call does:
     3. Decode: one query token per live row. Each layer writes the new key and value into the row's
        last page and attends: dense on a CPU over the lanes' view in place (no gather) and over
        each shared prompt once per group, its rows' queries side by side, merged by log-sum-exp (a
-       capped pool gathers every token); on a GPU, and sparse: `decode_attention` (Triton, or its
-       PyTorch reference on a CPU) from kernels/block_sparse_decode.py, through the page tables.
+       capped pool gathers every token); on a GPU, and sparse: `decode_attention` (Triton, or a
+       C++ kernel on a CPU) from kernels/block_sparse_decode.py, through the page tables.
     4. Dense decode reads every page. Sparse decode (`sparse=` a budget function from sparsity.py)
        reads, in each layer past the first `dense_layers`, the pages that `sparsity.select_pages`
        picks from the page metadata (mean key, and min/max keys for Quest), which a sparse engine
@@ -39,9 +40,8 @@ What one call does:
     5. Sampling: temperature, top-p, a seeded generator; the log-prob of the sampled token is taken
        under softmax(logits / temperature), which the trainer recomputes, so the two compare token
        by token. With `topk_logprobs=k` the engine also keeps the k largest log-probs of that
-       distribution (values and token ids) at every sampled position: what `sparsity.alpha_topk`
-       needs to bound the sparse-to-dense acceptance rate. k = vocab_size keeps the whole
-       distribution (small vocabularies: the exact alpha).
+       distribution (values and token ids) at every sampled position, what `sparsity.alpha_topk`
+       needs to bound the acceptance rate (k = vocab_size: the whole distribution, exact alpha).
     6. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch at once and
        its pages go back (a shared prompt page when its last row finishes). The model runs the
        call inside `Transformer.packed()`: on a CPU, its weight matmuls on packed copies.
@@ -67,8 +67,7 @@ Simplifications:
     3. Stop strings are checked on the decoded tail of each row, so a stop string must decode the
        same whether or not it is tokenised on its own.
     4. Prefill is always dense, and a row's first token comes from it: `ro.budget[:, 0]` is the
-       prompt's page count. The sparse budget is per row, the same in every sparse layer and KV
-       head.
+       prompt's page count. The sparse budget is per row, the same in every sparse layer and head.
     5. Page bookkeeping (free list, reference counts, page tables) lives on the host as Python
        lists; the device gets a few small index tensors per step.
 
@@ -83,8 +82,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots, length_mask,
-                                         prefix_index, shared_prefix_decode)
+from kernels.block_sparse_decode import (attend_rows, cpu_kernel, decode_attention, dense_slots,
+                                         length_mask, prefix_index, select_pages_cpu,
+                                         shared_prefix_decode)
+from moe import record_routes
 from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,
                       select_pages)
 
@@ -107,6 +108,7 @@ class Rollouts:
     topk_ids: torch.Tensor = None  # (N, T, k) their token ids (descending log-prob), or None
     read_pages: torch.Tensor = None  # (N, T, sparse layers, H_kv, pages) bool: the logical pages
     # each sparse layer and KV head read for each token's step (record_pages=True; none at 0)
+    experts: object = None  # MoE: moe.Routes, every layer's experts (the prompt's once per group)
 
     def __len__(self):
         return self.tokens.shape[0]
@@ -144,7 +146,7 @@ class PagedKVCache:
         self.budget, self.scorer, self.dense_layers = budget, scorer, dense_layers
         self.keep_first, self.keep_recent = keep_first, keep_recent
         self.record = None  # a list to record (step, rows, layer, sel, n_sel) of every selection
-        self.clock = None  # the engine's timing hook (Engine.clock)
+        self.clock, self.routes = None, record_routes(None, 0)  # the engine's hooks (Engine.clock)
         self._laid = None  # the rows the lanes' index tensors were built for
 
     # ---- bookkeeping
@@ -202,8 +204,7 @@ class PagedKVCache:
         return pool[layer].view(self.H, -1, self.page_size, self.D).permute(1, 2, 0, 3)
 
     def _write_meta(self, layer, pages):
-        """Metadata of pages that just filled (pages: index tensor): written once, read by every
-        later step."""
+        """Metadata of the pages that just filled (index tensor), read by every later step."""
         if pages is None or self.kmean is None:
             return
         mean, lo, hi = page_metadata(self.paged(self.k, layer)[pages], self.kmin is not None)
@@ -240,7 +241,7 @@ class PagedKVCache:
                 self.table[r, :len(self.pages[r])] = torch.tensor(self.pages[r], dtype=torch.int32)
                 full += mine[:len(own) // ps]
             full += shared
-        self._mode, self._B = "prefill", len(groups)
+        self._mode, self._B, self._groups = "prefill", len(groups), groups
         self._scatter = [torch.cat(x).to(dev) for x in (src_b, src_t, dst)]
         self._filled = torch.tensor(full, dtype=torch.long, device=dev) if full else None
 
@@ -276,7 +277,7 @@ class PagedKVCache:
         if self.budget is not None:
             self.n_read = [pages_to_read(self.budget, n, f, self.keep_first, self.keep_recent)
                            for n, f in zip(self.n_pages, n_full)]
-            self._counts = [torch.tensor(x, device=dev)
+            self._counts = [torch.tensor(x, dtype=torch.int32, device=dev)
                             for x in (self.n_pages, n_full, self.n_read)]
 
     def _lay_lanes(self, rows, lens):
@@ -329,7 +330,8 @@ class PagedKVCache:
             y = self._attend_lanes(kp, vp, q[:, :, 0])
         else:
             y = decode_attention(q[:, :, 0], self.paged(self.k, layer), self.paged(self.v, layer),
-                                 self._table, self._seq_lens, sel, n_sel, slots=self._slots)
+                                 self._table, self._seq_lens, sel, n_sel, slots=self._slots,
+                                 finite=True)  # the pool starts at zero: no NaN to mask
         self._tick("attn", t0)
         return y[:, :, None]  # (B, Hq, 1, D)
 
@@ -359,20 +361,19 @@ class PagedKVCache:
         return (y if self._by_lane is None else y.index_select(0, self._lane)).view(B, -1, D)
 
     def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
-        # (B, P); entries past a row's pages hold stale ids, masked in selection
-        phys = self._table.long()
-        if self.scorer == "quest":
-            scores = quest_scores(q, self.kmin[layer][phys], self.kmax[layer][phys])
-        elif self.scorer == "oracle":
-            # the yardstick: every key read, the true attention mass per page
+        meta = [m[layer] for m in (self.kmin, self.kmax) if m is not None] or [self.kmean[layer]]
+        args = (*self._counts, self.keep_first, self.keep_recent, max(self.n_read))
+        if self.scorer != "oracle" and not q.is_cuda and cpu_kernel() is not None:
+            return select_pages_cpu(q, meta, self._table, *args)  # the metadata read in place
+        phys = self._table.long()  # (B, P); entries past a row's pages: stale ids, masked later
+        if self.scorer == "oracle":  # the yardstick: every key read, the true mass per page
             scores = oracle_scores(q, self.paged(self.k, layer)[phys], self._seq_lens)
-        else:
-            scores = centroid_scores(q, self.kmean[layer][phys])
-        n_pages, n_full, n_read = self._counts
-        return select_pages(scores, n_pages, n_full, n_read, self.keep_first, self.keep_recent,
-                            max(self.n_read))
+        else:  # gathered through the page tables
+            scores = (centroid_scores, quest_scores)[len(meta) - 1](q, *(m[phys] for m in meta))
+        return select_pages(scores, *args)
 
     def advance(self, T):
+        self.routes.add(self._mode, self._groups if self._mode == "prefill" else self._rows)  # MoE
         if self._mode == "decode":
             for r in self._rows:
                 self.lens[r] += T
@@ -427,13 +428,11 @@ class Engine:
                 raise ValueError(f"{name} must be an int >= 0, got {x!r}")
         self.page_size, self.budget, self.scorer = page_size, (sparse or None), scorer
         self.keep_recent, self.dense_layers, self.keep_first = keep_recent, dense_layers, keep_first
-        self.share_prefix, self.num_pages = share_prefix, num_pages
-        V = model.config.vocab_size
+        self.share_prefix, self.num_pages, V = share_prefix, num_pages, model.config.vocab_size
         if not (isinstance(topk_logprobs, int) and 0 <= topk_logprobs <= V):
             raise ValueError(f"topk_logprobs must be an int in [0, vocab_size={V}], got "
                              f"{topk_logprobs!r}")
-        self.topk = topk_logprobs
-        self.record_pages = record_pages and self.budget is not None
+        self.topk, self.record_pages = topk_logprobs, record_pages and self.budget is not None
         self.clock = None  # {"attn": s, "select": s}: decode adds its seconds in each (the bench)
 
     def _check_lengths(self, prompt_ids):
@@ -474,7 +473,7 @@ class Engine:
         cache = PagedKVCache(self.model.config, N, -(-(longest + new) // ps), num_pages, ps,
                              w.dtype, w.device, self.budget, self.scorer, self.keep_first,
                              self.keep_recent, self.dense_layers, lanes)
-        cache.clock = self.clock
+        cache.clock, cache.routes = self.clock, record_routes(self.model, N)
         return cache
 
     def _prefill(self, cache, groups, N):
@@ -584,6 +583,7 @@ class Engine:
             ro.topk_logp, ro.topk_ids = self._pack_topk(topk, N, ro.tokens.shape[1])
         if self.record_pages:
             ro.read_pages = self._pack_pages(cache, N, ro.tokens.shape[1])
+        ro.experts = cache.routes.result(ro.tokens.shape[1])  # None unless MoE
         return ro
 
     def _pack_pages(self, cache, N, T):

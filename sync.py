@@ -16,11 +16,13 @@ What it does:
 
     FullUpdate     every tensor, cast to the receiver's dtype.
     DeltaUpdate    only the elements whose bits changed since the last update shipped, compared
-                   after the cast (most small fp32 steps vanish in bf16). It carries new values, not
-                   differences, so applying it is a bit-exact copy. Per tensor the cheapest of: a
-                   bitmask (numel/8 bytes) + values, int32 indices (int64 from 2^31 elements) +
-                   values, or all values when nearly everything changed. Unchanged tensors cost
-                   nothing. A delta applies only on its base_version.
+                   after the cast (most small fp32 steps vanish in bf16). Per tensor the cheapest
+                   of: a bitmask (numel/8 bytes) + new values, int32 indices (int64 from 2^31
+                   elements) + new values, all values when nearly everything changed, or "zdiff":
+                   zlib over the bitmask and each changed element's step in bit patterns (mostly
+                   +-1: one unit in the last place). Each is exact: the receiver ends on the
+                   sender's bits. Unchanged tensors cost nothing. A delta applies only on its
+                   base_version (and the checksum checks it).
     AdapterUpdate  only the LoRA tensors (names containing "lora_"): the receiver keeps them (an
                    engine that serves LoRA) or, given lora_scaling, merges them into its weights:
                    W + scaling * B @ A (`merge_lora`).
@@ -37,9 +39,8 @@ Simplifications:
        receiver's dtype, on the model's device. That is the price of diffing against exactly what
        the receiver holds.
     2. The checksum hashes every synced tensor after every update, on the CPU (about a second per
-       GB).
-    3. The distributed transport serialises the whole update into one buffer in memory; no
-       bucketing.
+       GB). The sender compresses every changed tensor's zdiff with zlib on the CPU, tens of MB/s.
+    3. The distributed transport serialises the whole update into one buffer in memory.
     4. Adapter updates ship the whole adapter (it is small), and both checksums then cover the
        adapter; the merge is a deterministic local function of (base, adapter), tested against a
        merged full sync.
@@ -59,6 +60,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -141,6 +143,29 @@ def delta_costs(numel, changed, elsize):
             "index": changed * (idx + elsize)}
 
 
+def zdiff_encode(old, new, diff):
+    """zlib over the bitmask of `diff` and, at those elements, new bits - old bits as integers mod
+    2^bits (signed, so a step of one unit in the last place is 1 or -1: bytes 0x00 and 0xff)."""
+    mod = 1 << 8 * new.element_size()
+    d = (_bits(new)[diff].long() - _bits(old)[diff].long()) % mod
+    d = torch.where(d >= mod // 2, d - mod, d).to(_INT[new.element_size()])
+    raw = pack_bits(diff.cpu()).numpy().tobytes() + d.cpu().numpy().tobytes()
+    return torch.frombuffer(bytearray(zlib.compress(raw, 6)), dtype=torch.uint8)
+
+
+def zdiff_apply(flat, packed):
+    """zdiff_encode's inverse, in place on `flat` (the receiver's old bits): old + step."""
+    n, mod = flat.numel(), 1 << 8 * flat.element_size()
+    raw = zlib.decompress(packed.numpy().tobytes())
+    m = (n + 7) // 8  # the mask's bytes, then the steps
+    mask = unpack_bits(torch.frombuffer(bytearray(raw[:m]), dtype=torch.uint8), n)
+    step = torch.frombuffer(bytearray(raw[m:]), dtype=_INT[flat.element_size()])
+    bits = _bits(flat)  # a view: the writes land in the receiver's own tensor
+    mask, step = mask.to(flat.device), step.to(flat.device).long()
+    v = (bits[mask].long() + step) % mod
+    bits[mask] = torch.where(v >= mod // 2, v - mod, v).to(bits.dtype)
+
+
 def _desc(t, enc, changed=None):
     d = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "enc": enc}
     return d if changed is None else {**d, "changed": changed}
@@ -151,8 +176,8 @@ def _desc(t, enc, changed=None):
 @dataclass
 class Update:
     """Payload tensors plus a JSON header. `tensors` holds "name" (full, adapter) or "name|values"
-    with "name|mask" or "name|index" (delta); `info[name]` gives each weight's shape, dtype and
-    encoding."""
+    with "name|mask" or "name|index", or "name|zdiff" (delta); `info[name]` gives each weight's
+    shape, dtype and encoding."""
     version: int
     base_version: int | None
     checksum: str  # the sender's state_checksum after this update; the receiver must reproduce it
@@ -230,6 +255,9 @@ class DeltaUpdate(Update):
     def apply_to(self, weights):
         for name, d in self.info.items():
             flat = weights[name].view(-1)  # a view: the writes land in the receiver's own tensor
+            if d["enc"] == "zdiff":
+                zdiff_apply(flat, self.tensors[name + "|zdiff"])
+                continue
             values = self.tensors[name + "|values"].to(flat.device)
             if d["enc"] == "dense":
                 flat.copy_(values)
@@ -310,8 +338,9 @@ class Sender:
         return {k: v for k, v in sd.items() if k not in self.aliases}
 
     def _cast(self, v):
-        # a private copy even when the dtype is unchanged
-        return v.detach().to(self.dtype or v.dtype, copy=True)
+        # a private copy even when the dtype is unchanged; integer tensors keep theirs
+        dtype = self.dtype if self.dtype is not None and v.is_floating_point() else v.dtype
+        return v.detach().to(dtype, copy=True)
 
     def checksum(self):
         return state_checksum({**self.shadow,
@@ -345,8 +374,7 @@ class Sender:
         return update
 
     def _delta(self, cur, version):
-        # check every name before the shadow changes: a
-        # failed update must leave it as the receiver's copy
+        # check every name before the shadow changes: a failed update must leave it as it was
         odd = set(self.shadow) ^ set(cur)
         odd |= {k for k in cur if k in self.shadow and cur[k].shape != self.shadow[k].shape}
         if odd:
@@ -360,10 +388,14 @@ class Sender:
             if k == 0:
                 continue  # unchanged tensors cost nothing
             costs = delta_costs(new.numel(), k, new.element_size())
+            packed = zdiff_encode(old, new, diff) if new.element_size() in (2, 4) else None
+            costs["zdiff"] = packed.numel() if packed is not None else float("inf")
             enc = min(costs, key=costs.get)
             flat = new.reshape(-1)
-            # new values (not differences), in flat order; mask or index says where they go
-            tensors[name + "|values"] = (flat if enc == "dense" else flat[diff]).cpu()
+            if enc == "zdiff":
+                tensors[name + "|zdiff"] = packed
+            else:  # new values, in flat order; mask or index says where they go
+                tensors[name + "|values"] = (flat if enc == "dense" else flat[diff]).cpu()
             if enc == "mask":
                 tensors[name + "|mask"] = pack_bits(diff).cpu()
             elif enc == "index":
@@ -608,10 +640,9 @@ def simulate_rl_sync(steps=4, lr=1e-5, dtype=torch.bfloat16, seed=0, cfg=None):
 
 
 if __name__ == "__main__":
-    print(f"{'receiver':>9} {'lr':>7} {'changed':>8} {'delta bytes':>12} {'full bytes':>11} "
-          f"{'ratio':>7}  encodings")
+    print(f"{'receiver':>9} {'lr':>7} {'changed':>8} {'delta bytes':>12} {'full bytes':>11} ratio")
     for dtype in (torch.float32, torch.bfloat16):
         for lr in (1e-6, 1e-5, 1e-4, 1e-3):
             s = simulate_rl_sync(steps=3, lr=lr, dtype=dtype)[-1]
             print(f"{str(dtype)[6:]:>9} {lr:7.0e} {s['changed_fraction']:8.2%} {s['bytes']:12,d} "
-                  f"{s['full_bytes']:11,d} {s['ratio']:7.3f}  {s['encodings']}")
+                  f"{s['full_bytes']:11,d} {s['ratio']:.3f} {s['encodings']}")

@@ -12,13 +12,17 @@ evaluates and saves.
 One step (`rl_step`):
     1 signal   the sampler draws prompts from the growth zone (pass rate neither ~0 nor ~1)
     2 rollout  engine.generate: G completions each, the prompt prefilled once per group; with a
-               sparse budget or a rollout copy, Sparrow's per-position alpha on every row
+               sparse budget or a rollout copy, Sparrow's per-position alpha on every row; on an
+               MoE, every token's experts, and the routing and mismatch with and without replay
     3 rewards  the verifier cascade; every rank tells the sampler every group's rewards. Groups
                whose rewards are all equal carry no gradient: they are dropped and refilled with
                fresh prompts up to `refill_tries` times; then the batch trains short, never padded
-    4 update   advantages -> dense log-probs -> clipped policy-gradient loss with IS weights
+    4 update   advantages -> dense log-probs -> clipped policy-gradient loss with IS weights;
+               router_replay routes the trainer's MoE forwards through the rollout's experts
     5 sync     colocated: the rollout copy follows the policy in place; disaggregated: trainer 0
-               ships a checked weight delta to the ranks that only generate
+               ships a checked weight delta to the ranks that only generate. A bf16 copy
+               (rollout_copy=bf16) takes its delta in bf16 either way: only the weights whose
+               bf16 bits changed; sync_bytes and sync_ratio (of the full bf16 model) in the log
 The rank's role (parallel.Role) decides which of stages 1-3 and 4 it runs; colocated, it runs both.
 Each step logs a few lines with every stage's figures (a tqdm bar on a terminal); metrics.jsonl has
 every number. A run ends with a summary table, out_dir/run.png and every rank's weight checksum.
@@ -54,13 +58,15 @@ from checkpoint import load_checkpoint, save_checkpoint
 from config import cli, parse_config
 from distill import DistillSparse
 from model import add_lora
+from moe import moe_layers, replay_batch
 from prompts import group_has_signal, make_sampler, refill_size
 from report import by_difficulty, examples, plot, step_lines, summary
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
 from sparsity import MaskedParams, alpha_k, apply_nm, dense_alpha
+from sync import Receiver, Sender, send_local
 from tasks import encode_pool, load_problems
-from update import batch_from_groups, lr_at, pg_loss, train_on
+from update import batch_from_groups, lr_at, pg_loss, replay_mismatch, train_on
 from warmstart import build_policy, cache_path
 
 @dataclass
@@ -91,12 +97,16 @@ class Run:
     sender: object = None  # disaggregated: stage 5's ends (a Sender on trainer 0, Receivers)
     receiver: object = None
     masked: MaskedParams = None  # nm: the policy's fixed N:M masks (only active weights train)
+    ships_copy: bool = False  # a bf16 copy that follows the policy by deltas in bf16 (stage 5)
 
 
 def build(cfg, rank, world, dev, role, log):
     """The policy, its data, its engines and its optimizer. The order sets what the seed draws."""
     random.seed(cfg.seed)
     model, tok = build_policy(cfg, dev, log, rank, world)
+    if cfg.router_replay != "off" and not moe_layers(model):
+        raise ValueError(f"config key 'router_replay' ({cfg.router_replay}) needs an MoE model "
+                         f"(n_expert > 0, or a Qwen3-MoE checkpoint)")
     # the run's own draws (a LoRA init, ...) must not depend on whether the warm start was built
     torch.manual_seed(cfg.seed)  # here or loaded from its cache
     train_p, eval_p = load_problems(cfg)
@@ -119,7 +129,8 @@ def build(cfg, rank, world, dev, role, log):
     else:
         budget = kv_budget(cfg, full, tok, train_ids, log, rank)
     distill = DistillSparse.for_run(cfg, full, budget, world) if cfg.distill_r else None
-    rollout_model = distill.model if distill is not None else copies.rollout_model_for(cfg, full)
+    rollout_model = (distill.model if distill is not None
+                     else copies.rollout_model_for(cfg, full, train_ids))
     log(f"rollout copy: {copies.describe_copy(rollout_model)}"
         + (f", plus a DistillSparse adapter of rank {cfg.distill_r}" if distill else ""))
     model.eval()  # dropout only in the training forwards (update.train_on turns it on and off)
@@ -141,10 +152,13 @@ def build(cfg, rank, world, dev, role, log):
     amp = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.autocast == "bfloat16")
     cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify,
                       judge=load_judge(cfg.judge), judge_timeout_s=cfg.judge_timeout_s)
-    sender, receiver = parallel.shipper(model, role)
+    ships_copy = cfg.rollout_copy == "bf16" and not cfg.lora_r and distill is None
+    sender, receiver = parallel.shipper(model, role, rollout_model if ships_copy else None)
+    if ships_copy and not role.split:  # colocated: the copy follows by bf16 deltas too (counted)
+        sender, receiver = Sender(full, dtype=torch.bfloat16, synced=True), Receiver(rollout_model)
     return Run(role, world, dev, model, tok, rollout_model, engine, greedy, cascade, opt, sampler,
                amp, train_ids, eval_p, eval_ids, measure, replica, ref_model, schedule, controller,
-               distill, dense_engine, sender, receiver, masked)
+               distill, dense_engine, sender, receiver, masked, ships_copy)
 
 
 def main(argv):
@@ -229,7 +243,12 @@ def train(cfg, run, rank, log):
         if rank == 0 and ((step + 1) % cfg.save_every == 0 or last):
             save_checkpoint(cfg, run.replica or run.model, run.tok, run.opt, run.sampler, step + 1,
                             history, extra, base=cfg.model or cache_path(cfg))
-    history["checksums"] = parallel.check_ranks_agree(run.replica or run.model, run.world, log)
+    held = run.replica or run.model
+    if run.ships_copy and run.role.split:  # the rollout ranks hold only the bf16 copy: compare
+        if run.role.trains:  # it with the trainers' copies, made by a local refresh
+            copies.refresh(run.rollout_model, held, cfg.lora_r)
+        held = run.rollout_model
+    history["checksums"] = parallel.check_ranks_agree(held, run.world, log)
     if rank == 0:
         log(summary(history, time.perf_counter() - t_start, cfg.group_size))
         if cfg.plot:
@@ -279,12 +298,17 @@ def collect(cfg, step, run):
         rec["gen_s"] += time.perf_counter() - t0
         if t == 0 and run.dense_engine is not None and step % cfg.kv_compare_every == 0:
             rec.update(compare_dense(cfg, run, ro, prompt_ids, seed))
+        if t == 0 and ro.experts is not None and run.role.trains:  # MoE: routing vs the trainer's
+            rec.update(replay_mismatch(run.replica or run.model, prompt_ids, ro, cfg.temperature,
+                                       cfg.micro_batch, run.engine.pad_id))
         for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense"):
             rec[k] = rec.get(k, 0) + ro.timings[k]
         if run.measure:  # every row, before dynamic sampling drops any: a collapse shows here
             t0 = time.perf_counter()
-            a = dense_alpha(run.replica or run.model, prompt_ids, ro, cfg.temperature,
-                            cfg.micro_batch)
+            # a rollout rank that holds only the bf16 copy: against the copy's own dense decode
+            ref = (run.rollout_model if run.ships_copy and run.role.split
+                   else run.replica or run.model)
+            a = dense_alpha(ref, prompt_ids, ro, cfg.temperature, cfg.micro_batch)
             alphas.append((a[ro.mask], ro.budget_dense[ro.mask].long()))
             rec["alpha_s"] = rec.get("alpha_s", 0.0) + time.perf_counter() - t0
         res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts,
@@ -310,7 +334,8 @@ def collect(cfg, step, run):
                 rows = slice(g * G, (g + 1) * G)
                 kept.append((batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows],
                              None if ro.read_pages is None else ro.read_pages[rows],
-                             torch.tensor([f == "length" for f in ro.finish[rows]])))
+                             torch.tensor([f == "length" for f in ro.finish[rows]]),
+                             None if ro.experts is None else ro.experts.take(range(len(ro))[rows])))
         rec["tries"] = t + 1
         n_kept = parallel.gather(len(kept), n, group)
         if min(n_kept) >= n_local:  # a global decision: every rank runs the same collectives
@@ -355,8 +380,10 @@ def learn(cfg, run, kept):
     ids, tmask, adv, roll = batch_from_groups(kept, run.train_ids, cfg.group_size,
                                               run.engine.pad_id, cfg.adv_eps,
                                               run.model.lm_head.weight.device, cfg.adv_norm, drop)
+    routes = (replay_batch([k[7] for k in kept], [k[2] for k in kept], ids.shape).to(ids.device)
+              if kept and kept[0][7] is not None else None)  # MoE: the rollout's experts
     out = train_on(cfg, run.model, run.opt, ids, tmask, adv, n, roll, group, run.ref_model,
-                   dense_dist=run.distill is not None, masked=run.masked)
+                   dense_dist=run.distill is not None, masked=run.masked, routes=routes)
     stats = out.pop("stats")  # loss sum, tokens, clipped, skipped, grad norm
     dense_full = out.pop("_dense_full", None)
     if run.distill is not None and kept and dense_full is not None:  # rollout-only, toward dense
@@ -383,22 +410,30 @@ def sync(cfg, step, run, rec, before_update):
     if not run.role.split:
         if not before_update:
             parallel.pull_full(run.replica, run.model)  # FSDP: the shards into the engines' replica
-            refresh_rollout(cfg, run)
+            rec.update(refresh_rollout(cfg, run))
         return
     stale = cfg.max_staleness == 1
     due = (stale and step >= 1) if before_update else (not stale or step == last_step(cfg))
     version = step if before_update else step + 1
-    if due and parallel.ship(run.sender, run.receiver, run.role, version, rec):
-        refresh_rollout(cfg, run)
+    shipped = due and parallel.ship(run.sender, run.receiver, run.role, version, rec)
+    if shipped and not run.ships_copy:  # received the policy: re-derive the copy (a bf16 copy
+        refresh_rollout(cfg, run)  # received its own bf16 delta and is done)
 
 
 def refresh_rollout(cfg, run):
-    """Re-derive what generates from the policy's new weights (nothing if the policy generates)."""
+    """Re-derive what generates from the policy's new weights (nothing if the policy generates).
+    A colocated bf16 copy takes a delta in bf16 instead (bit-exact with a refresh): -> its bytes."""
     full = run.replica or run.model
     if run.distill is not None:  # DistillSparse: new base weights under the kept adapter
         run.distill.refresh(full)
+    elif run.sender is not None and not run.role.split:
+        send_local(run.sender.make_update(), run.receiver)  # checks the copy's checksum
+        st = run.sender.stats()
+        return dict(sync_bytes=st["bytes"], sync_full_bytes=st["full_bytes"],
+                    sync_ratio=st["ratio"], sync_changed=st["changed_fraction"])
     else:
         copies.refresh(run.rollout_model, full, cfg.lora_r)
+    return {}
 
 
 @torch.no_grad()

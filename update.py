@@ -26,6 +26,8 @@ Simplifications:
        the model in DDP: with dynamic sampling, ranks keep different numbers of groups, and DDP's
        hooks would hang on ranks that run fewer backward passes.
     4. The learning rate warms up linearly, then follows a cosine down to min_lr_ratio * lr.
+    5. Unpacked, a micro-batch takes rows of about one length (the batch's rows sorted by length)
+       and runs only up to its longest row; what is left is the padding within a micro-batch.
 """
 
 import math
@@ -34,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from model import flash_attn_varlen_func
-from sparsity import alpha_sample
+from moe import disagreement, replay_batch, replaying
+from sparsity import alpha_sample, alpha_topk
 
 
 # ------------------------------------------------------------------------ advantages, weights, loss
@@ -123,25 +126,31 @@ def build_batch(prompts, completions, masks, pad_id):
     return ids, tmask
 
 
-def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False):
+def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False, routes=None,
+                   aux=None):
     """Log-prob of every target token: returns (B, T) with values where tmask is set (0 elsewhere).
     `packed` concatenates the rows without padding and attends within each (flash-attn varlen on
     CUDA). `full` also returns the whole log-softmax at the target positions, (M, V) in the order of
-    ids[tmask]."""
+    ids[tmask]. `routes` (B, T, MoE layers, k): the rollout's experts, replayed; `aux`: a list that
+    gets each MoE layer's load-balancing loss (moe.replaying)."""
     B, T = ids.shape
     targets = torch.roll(ids, -1, 1)
+    lens = (tmask.flip(1).cumsum(1).flip(1) > 0).sum(1) + 1  # row length = last target + 2
     if packed:
-        # row length = last target position + 2
-        lens = (tmask.flip(1).cumsum(1).flip(1) > 0).sum(1) + 1
         flat = torch.cat([ids[i, :lens[i]] for i in range(B)])[None]
         pos = torch.cat([torch.arange(int(n), device=ids.device) for n in lens])[None]
         cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
-        h = model(flat, pos=pos, cu_seqlens=cu, max_seqlen=int(lens.max()), hidden=True)[0]
+        rr = None if routes is None else torch.cat([routes[i, :lens[i]] for i in range(B)])[None]
+        with replaying(model, rr, aux=aux):  # the same packing for the replayed experts
+            h = model(flat, pos=pos, cu_seqlens=cu, max_seqlen=int(lens.max()), hidden=True)[0]
         sel = torch.cat([tmask[i, :lens[i]] for i in range(B)])
         h_sel, tgt = h[sel], torch.cat([targets[i, :lens[i]] for i in range(B)])[sel]
-    else:
-        h = model(ids, hidden=True)  # (B, T, C)
-        h_sel, tgt = h[tmask], targets[tmask]
+    else:  # the columns past the longest row are pads only: never computed
+        t = int(lens.max()) if B else T  # CPU-GPU sync point
+        real = torch.arange(t, device=ids.device) < lens[:, None]  # the balance loss skips pads
+        with replaying(model, None if routes is None else routes[:, :t], real, aux):
+            h = model(ids[:, :t], hidden=True)  # (B, t, C)
+        h_sel, tgt = h[tmask[:, :t]], targets[:, :t][tmask[:, :t]]
     # only the scored positions are projected onto the vocabulary
     logits = model.lm_head(h_sel).float() / temperature
     lsm = logits.log_softmax(-1)
@@ -149,6 +158,43 @@ def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False)
     out = torch.zeros(B, T, device=ids.device, dtype=lp.dtype)
     out[tmask] = lp
     return (out, lsm) if full else out
+
+
+@torch.no_grad()
+def replay_mismatch(model, prompt_ids, ro, temperature=1.0, micro_batch=16, pad_id=0):
+    """Router replay's figures for a rollout of an MoE model (ro.experts), from two forwards of the
+    trainer's `model` over every row: with its own routing ("own") and with the rollout's experts
+    replayed ("replay"). Per forward: the routing disagreement with the rollout at the scored
+    positions (moe_diff: share of the expert picks that differ; moe_diff_tok: share of tokens with
+    a different set in at least one layer) and, when the engine kept its distributions
+    (ro.topk_logp), the per-position mismatch: alpha = 1 - TV (mean, p5) and KL(rollout ||
+    trainer), summed over the rollout's kept tokens (exact over a whole small vocabulary)."""
+    ids, tmask = build_batch([prompt_ids[int(i)] for i in ro.prompt_index], ro.tokens, ro.mask,
+                             pad_id)
+    routes, out = replay_batch([ro.experts], [ro.mask], ids.shape), {}
+    dev = model.lm_head.weight.device
+    for name in ("own", "replay"):
+        diff, alpha, kl = [], [], []
+        for rows in torch.arange(len(ro)).split(micro_batch):
+            _, lsm = token_logprobs(model, ids[rows].to(dev), tmask[rows].to(dev), temperature,
+                                    full=True, routes=routes[rows] if name == "replay" else None)
+            diff.append((*disagreement(model, routes[rows], tmask[rows]), tmask[rows].sum()))
+            if ro.topk_logp is not None:
+                m = ro.mask[rows]  # the same positions as tmask's, in the same order
+                q, qi = ro.topk_logp[rows][m].to(dev), ro.topk_ids[rows][m].to(dev)
+                alpha.append(alpha_topk(q, qi, lsm).cpu())
+                term = q.exp() * (q - lsm.gather(-1, qi))  # p_r log(p_r / p_t) per kept token
+                kl.append(torch.where(q > float("-inf"), term, 0.0).sum(-1).cpu())
+        n = sum(float(x[2]) for x in diff)
+        sfx = "" if name == "own" else "_replay"
+        out[f"moe_diff{sfx}"] = sum(x[0] * float(x[2]) for x in diff) / max(n, 1)
+        out[f"moe_diff_tok{sfx}"] = sum(x[1] * float(x[2]) for x in diff) / max(n, 1)
+        if alpha:
+            a = torch.cat(alpha)
+            out.update({f"alpha_{name}_mean": a.mean().item(),
+                        f"alpha_{name}_p5": a.quantile(0.05).item(),
+                        f"kl_{name}": torch.cat(kl).mean().item()})
+    return out
 
 
 def batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev, adv_norm="std", drop_rows=None):
@@ -213,11 +259,12 @@ def micro_batches(rows, size, fsdp, device):
 
 
 @torch.no_grad()
-def reference_logprobs(cfg, model, ids, tmask, packed, full=False):
+def reference_logprobs(cfg, model, ids, tmask, packed, full=False, routes=None):
     """The no-grad log-probs of a whole batch, micro-batch by micro-batch: logp_old from the policy
     before its first update, or the reference policy's. `full` also returns the whole log-softmax at
-    the target positions (DistillSparse trains toward it)."""
-    parts = [token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed, full)
+    the target positions (DistillSparse trains toward it). `routes`: replayed MoE experts."""
+    parts = [token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed, full,
+                            None if routes is None else routes[r])
              for r in torch.arange(ids.shape[0]).split(cfg.micro_batch)]
     if not full:
         return torch.cat(parts) if parts else torch.zeros(0, ids.shape[1], device=ids.device)
@@ -248,15 +295,44 @@ def optimizer_step(cfg, model, opt, world, group, loss_ok=True, masked=None):
     return gn
 
 
+def old_logprobs(cfg, model, ids, tmask, packed, chunks, single, dense_dist, routes=None):
+    """logp_old, the policy before this batch's first update, with its experts replayed from
+    `routes` if given -> (old (N, T), the whole log-softmax at the targets when `dense_dist`).
+    `single` (one optimizer step): zeros, which the training forward fills (its log-prob IS
+    logp_old, ratio 1), so the no-grad pass would compute the same numbers again."""
+    if dense_dist:  # DistillSparse also takes the whole dense distribution at these positions
+        return reference_logprobs(cfg, model, ids, tmask, packed, full=True, routes=routes)
+    if single:
+        return torch.zeros(ids.shape, device=ids.device), None
+    old = torch.zeros(ids.shape, device=ids.device)
+    with torch.no_grad():  # every rank runs as many forwards (chunks, in any order of rows)
+        for r in chunks(torch.arange(ids.shape[0])):
+            old[r] = token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed,
+                                    routes=None if routes is None else routes[r])
+    return old, None
+
+
+def balance_penalty(cfg, aux, tokens, log):
+    """moe_aux_coef * the load-balancing loss (`aux`: each MoE layer's, from token_logprobs) as a
+    per-token mean, weighted by the micro-batch's `tokens` like the summed policy loss; 0 without
+    MoE layers or coefficient. Appends the loss's value to `log`."""
+    if not aux:
+        return 0.0
+    aux = torch.stack(aux).mean()
+    log.append(aux.item())
+    return cfg.moe_aux_coef * aux * tokens
+
+
 def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=None, ref_model=None,
-             dense_dist=False, masked=None):
+             dense_dist=False, masked=None, routes=None):
     """`passes` x `minibatches` optimizer steps over one batch of kept rollouts (the same count on
     every rank, whatever its share of the batch). Token-level loss over the global minibatch.
     `rollout_logp` (N, T), the rollout policy's log-probs at the target positions, drives the IS
     correction and the mismatch statistics. `group` is the trainers' process group (None: every
-    rank); `ref_model` the frozen reference (kl_coef > 0). Returns {"stats": loss sum, tokens,
-    clipped, skipped, grad norm (summed); this rank's mismatch figures; "_dense_full": the dense
-    log-softmax at the targets when `dense_dist`}."""
+    rank); `ref_model` the frozen reference (kl_coef > 0). `routes` (N, T, MoE layers, k): the
+    rollout's experts (moe.replay_batch), replayed as cfg.router_replay says. Returns {"stats":
+    loss sum, tokens, clipped, skipped, grad norm (summed); this rank's mismatch figures;
+    "_dense_full": the dense log-softmax at the targets when `dense_dist`}."""
     stats = torch.zeros(5, device=ids.device, dtype=torch.float64)
     ntok = tmask.sum().double()
     if world > 1:
@@ -266,20 +342,16 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
     packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda
                                   and flash_attn_varlen_func is not None)
     N = ids.shape[0]
-    chunks = lambda rows: micro_batches(rows, cfg.micro_batch, cfg.fsdp, ids.device)
-    # one optimizer step per batch: logp_old IS the training forward's log-prob (ratio 1), so the
-    # no-grad pass before it would compute the same numbers again. It is skipped; old fills below
-    single = cfg.passes * cfg.minibatches == 1 and not dense_dist
-    if dense_dist:  # DistillSparse also takes the whole dense distribution at these positions
-        old, dense_full = reference_logprobs(cfg, model, ids, tmask, packed, full=True)
-    elif single:
-        old = torch.zeros(ids.shape, device=ids.device)
-    else:  # logp_old: the policy before this batch's first update (every rank: as many forwards)
-        with torch.no_grad():
-            parts = chunks(torch.arange(N))
-            old = (torch.cat([token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed)
-                              for r in parts])
-                   if parts else torch.zeros(0, ids.shape[1], device=ids.device))
+    # rows sorted by length, so that each micro-batch is about as long as its rows (token_logprobs
+    # trims the pads past its longest); the loss is a sum over tokens, whatever their order
+    lens = tmask.flip(1).cumsum(1).flip(1).gt(0).sum(1)
+    chunks = lambda rows: micro_batches(rows[lens[rows].argsort(stable=True)], cfg.micro_batch,
+                                        cfg.fsdp, ids.device)
+    # router replay (MoE): the rollout's experts in logp_old's pass; "update": in training too
+    r_new = routes if cfg.router_replay == "update" else None
+    single = cfg.passes * cfg.minibatches == 1 and not dense_dist and cfg.router_replay != "logprob"
+    old, dense_full = old_logprobs(cfg, model, ids, tmask, packed, chunks, single, dense_dist,
+                                   routes if cfg.router_replay != "off" else None)
     ref = reference_logprobs(cfg, ref_model, ids, tmask, packed) if cfg.kl_coef > 0 else None
     mode = cfg.is_correction if rollout_logp is not None else "none"
     weights = lambda o, rows: is_weights(o, o if rollout_logp is None else rollout_logp[rows],
@@ -288,6 +360,7 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
     if not single:
         is_w, mis = weights(old, slice(None))
     mb_tokens = (ntok / cfg.minibatches).clamp(min=1)  # token-level mean over the global minibatch
+    aux_sum = []  # the load-balancing loss of each training forward (moe_aux_coef > 0)
     model.train()  # dropout (LoRA's) only here: rollouts, logp_old and evaluation run in eval mode
     for _ in range(cfg.passes):
         for k in range(cfg.minibatches):
@@ -295,13 +368,16 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
             loss_ok = True
             # the micro-batches may be none, or empty, on this rank
             for micro in chunks(torch.arange(k, N, cfg.minibatches)):
-                lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed)
+                aux = [] if cfg.moe_aux_coef > 0 else None  # MoE: the load-balancing loss
+                lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed,
+                                    routes=None if r_new is None else r_new[micro], aux=aux)
                 if single:
                     old[micro] = lp.detach()
                 w = weights(old[micro], micro)[0] if single else is_w[micro]
                 loss, s = pg_loss(lp, old[micro], adv[micro], tmask[micro], cfg.clip_low,
                                   cfg.clip_high, None if ref is None else ref[micro], cfg.kl_coef,
                                   w, cfg.kl_loss)
+                loss = loss + balance_penalty(cfg, aux, tmask[micro].sum(), aux_sum)
                 # FSDP averages over ranks: undo it
                 (loss * (world if cfg.fsdp else 1) / mb_tokens).backward()
                 # an inf loss can still give a finite gradient
@@ -323,4 +399,5 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
            "sample_alpha_p5": mis["alpha_p5"], "is_cut": mis["is_cut"] / max(1, int(tmask.sum()))}
     if dense_dist:
         out["_dense_full"] = dense_full
+    out.update({"moe_aux": sum(aux_sum) / len(aux_sum)} if aux_sum else {})
     return out

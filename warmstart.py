@@ -40,12 +40,14 @@ from update import build_batch, token_logprobs
 
 def tiny_model_config(cfg, tok):
     """The embedded default's model shape: a Qwen3-family decoder with tied embeddings, sized by the
-    config."""
+    config; with n_expert > 0 a Qwen3-MoE whose every layer routes to experts."""
+    moe = dict(num_experts=cfg.n_expert, num_experts_per_tok=cfg.n_expert_active,
+               moe_intermediate_size=cfg.moe_ffn) if cfg.n_expert else {}
     return ModelConfig(vocab_size=len(tok), hidden_size=cfg.n_embd, intermediate_size=cfg.ffn,
                        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
                        num_key_value_heads=cfg.n_kv_head, head_dim=cfg.n_embd // cfg.n_head,
                        max_position_embeddings=2048, tie_word_embeddings=True,
-                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **moe)
 
 
 def teacher_trace(problem, noise, rng):
@@ -66,6 +68,8 @@ def sft_key(cfg):
     key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
                                         "order", "sft_steps", "sft_batch", "sft_lr", "sft_noise",
                                         "sft_init")}
+    if cfg.n_expert:  # only MoE keys where they apply: a dense model's cache keeps its key
+        key.update(n_expert=cfg.n_expert, n_expert_active=cfg.n_expert_active, moe_ffn=cfg.moe_ffn)
     return json.loads(json.dumps({**key, "sft_difficulty": cfg.sft_difficulty or cfg.difficulty}))
 
 
@@ -100,7 +104,8 @@ def warm_start(cfg, tok, dev, log, rank=0):
     want, got = tiny_model_config(cfg, tok), model.config
     diff = [f"{k} {getattr(got, k)} (want {getattr(want, k)})" for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_key_value_heads") if getattr(got, k) != getattr(want, k)]
+        "num_attention_heads", "num_key_value_heads", "num_experts", "num_experts_per_tok")
+        if getattr(got, k) != getattr(want, k)]
     if diff:
         raise ValueError(f"config key 'sft_init' ({cfg.sft_init}): its model differs from this "
                          f"config's: {', '.join(diff)}")

@@ -21,7 +21,8 @@ import torch
 from bench.common import RESULTS, write_block
 
 # bench/<name>.py, each with run()
-SECTIONS = ("rollout", "signal", "sparrow", "sparsecost", "sparsepath", "gpu")
+SECTIONS = ("rollout", "signal", "sparrow", "sparsecost", "sparsepath", "gpu", "syncbytes",
+            "step", "demo", "moe")
 
 
 def main(argv):

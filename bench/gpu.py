@@ -5,7 +5,11 @@ repository (no flash-attn, no datasets, no network). Three tables in one:
     (b) the kernel (1/8 of the pages) against SDPA (dense) and FlexAttention (the same block mask),
         at 8k and 32k cached tokens, with the bandwidth each reaches on the bytes it reads;
     (c) the engine's decode tokens/s, dense against 1/8 of the pages, on a Qwen3-1.7B-shaped model
-        with random weights.
+        with random weights;
+    (d) stage 4's 2:4 path: a 2:4-masked bf16 weight as PyTorch's semi-structured sparse tensor
+        (torch.sparse.to_sparse_semi_structured; compute capability 8.0 or more) against the same
+        masked weight dense, on Qwen3-1.7B's Linear shapes, at decode (32 rows) and prefill (4,096
+        rows) sizes; without such a GPU it is one "skipped" row.
 
     python -m bench gpu                    # on a GPU: a few minutes; prints and writes the table
     python -m bench gpu --quick            # toy sizes; on a CPU through Triton's interpreter (CI)
@@ -21,6 +25,9 @@ Simplifications:
        selected pages; SDPA: every page), not the queries or the outputs.
     4. (c) decodes greedily with EOS off after one shared prompt per group, so both arms produce
        the same number of tokens; the sparse arm's first two layers are dense.
+    5. (d) times one F.linear per shape, weights random and magnitude-masked 2:4 (sparsity.nm_mask);
+       its error is the semi-structured output's max abs difference from masked dense, relative to
+       the largest output. A shape the sparse path rejects is reported as such, not dropped.
 """
 
 import os
@@ -40,7 +47,7 @@ from kernels.block_sparse_decode import (  # noqa: E402
     _bytes_read, _make_problem, block_sparse_decode, block_sparse_decode_ref)
 from model import ModelConfig, Transformer  # noqa: E402
 from rollout import Engine  # noqa: E402
-from sparsity import fraction_budget  # noqa: E402
+from sparsity import fraction_budget, nm_mask  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
@@ -143,6 +150,42 @@ def engine_decode(dev, quick):
             f"{rate['1/8 of the pages'] / rate['dense']:.2f}x |"]
 
 
+# Qwen3-1.7B's Linear shapes (out, in): q_proj and o_proj; k_proj and v_proj; gate and up; down
+SEMI_SHAPES = {"q/o_proj": (2048, 2048), "k/v_proj": (1024, 2048), "gate/up_proj": (6144, 2048),
+               "down_proj": (2048, 6144)}
+
+
+def semi_structured(dev, quick):
+    """(d): 2:4 as a semi-structured sparse tensor against the same 2:4-masked weight stored dense:
+    ms per F.linear, the ratio, and the sparse output's error. One skip row without a GPU of
+    compute capability 8.0 or more."""
+    cap = torch.cuda.get_device_capability() if dev == "cuda" else None
+    if cap is None or cap < (8, 0):
+        why = "no GPU" if cap is None else f"compute capability {cap[0]}.{cap[1]} < 8.0"
+        return [f"| (d) 2:4 semi-structured vs masked dense | skipped: {why} | | |"]
+    from torch.sparse import to_sparse_semi_structured
+    ms, rows = timer(dev), []
+    shapes = {"toy": (256, 256)} if quick else SEMI_SHAPES
+    for tokens in ((64,) if quick else (32, 4096)):
+        for name, (out_f, in_f) in shapes.items():
+            torch.manual_seed(0)
+            w = torch.randn(out_f, in_f, device=dev, dtype=torch.bfloat16)
+            w = w * nm_mask(w, 2, 4)
+            x = torch.randn(tokens, in_f, device=dev, dtype=torch.bfloat16)
+            what = f"| (d) 2:4 {name} {out_f}x{in_f}, {tokens} rows"
+            try:
+                ws = to_sparse_semi_structured(w)
+                ref, got = F.linear(x, w).float(), F.linear(x, ws).float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                t_dense, t_sparse = ms(lambda: F.linear(x, w)), ms(lambda: F.linear(x, ws))
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                rows.append(f"{what} | sparse path failed: {str(e).splitlines()[0][:80]} | | |")
+                continue
+            rows.append(f"{what} | masked dense {t_dense:.4f} ms | semi-structured "
+                        f"{t_sparse:.4f} ms | {t_dense / t_sparse:.2f}x, rel err {err:.1e} |")
+    return rows
+
+
 def run(quick, cmd):
     """-> the table, head included; also written to out/bench_gpu.md."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -150,7 +193,7 @@ def run(quick, cmd):
     lines = [f"Hardware: {hw}. Command: `{cmd}`." + ("" if dev == "cuda" else
              " No GPU: Triton's interpreter at toy sizes, a smoke run (times mean nothing)."), "",
              "| what | figure | figure | note |", "|---|---|---|---|"]
-    for part in (correctness, kernel_vs_dense, engine_decode):
+    for part in (correctness, kernel_vs_dense, engine_decode, semi_structured):
         lines += part(dev, quick)
     os.makedirs("out", exist_ok=True)
     with open(os.path.join("out", "bench_gpu.md"), "w") as f:

@@ -1,13 +1,20 @@
 """
 bench/sparsepath.py: stage 2 on the CPU at long contexts. Does the sparse decode path cost what its
-read fraction says? Per decode token, the engine's attention (gather + SDPA) and page selection at
-read fractions r of 1/2, 1/4 and 1/8, against dense decode's attention, at cached contexts of 1k, 2k
-and 4k tokens, with the same model, prompts and batch. The target: attention plus selection at most
-(r + 0.15) times dense attention. Also the share of dense decode time that attention takes at each
-context: what sparse attention can save at most.
+read fraction says? Per decode token, the engine's attention and page selection at read fractions
+r of 1/2, 1/4 and 1/8, against dense decode's attention, at cached contexts of 1k, 2k and 4k tokens,
+with the same model, prompts and batch. The target: attention plus selection at most (r + 0.15)
+times dense attention. Also the share of dense decode time that attention takes at each context:
+what sparse attention can save at most.
 
-    python -m bench sparsepath --threads 1       # about 6 minutes on one core
+    python -m bench sparsepath --threads 1       # about 10 minutes on one core
     python -m bench sparsepath --quick           # 1k only, fewer rows: a smoke run
+
+Two kinds of context, because dense decode reads them differently:
+    own     16 rows, each with its own prompt: the long-generation regime, where a row's context
+            is its own tokens and dense decode reads each row's lane in place.
+    shared  8 prompts x 8 rows (the loop's shape): dense decode reads a prompt once per group, its
+            8 rows' queries side by side, while a selection is per row, so at read fraction r the
+            rows of a group read r x 8 times the prompt's pages between them.
 
 Simplifications:
     1. The model is random (speed does not depend on the weights), Qwen3-shaped like the long-CoT
@@ -17,12 +24,14 @@ Simplifications:
        (always-kept pages included), so r is the read fraction the engine reports.
     3. The prompt sets the context: decode runs `new` steps after a prompt of the context's length,
        so the cached length moves by new / context during the measurement.
-    4. The arms take turns, twice; each arm's fastest round counts (engine.clock is the timer).
+    4. The arms take turns, three times; each arm's fastest round counts (engine.clock is the
+       timer, wall time: on a busy machine, time the process waits for a core counts too).
 """
 
 import torch
 
 from bench.common import hardware
+from kernels.block_sparse_decode import cpu_kernel
 from model import ModelConfig, Transformer
 from rollout import Engine
 from sparsity import fraction_budget
@@ -68,26 +77,34 @@ def measure(m, ctx, prompts, groups, new, rounds):
 def run(quick, cmd):
     """-> the table, head included."""
     hw, m = hardware(), model()
-    # the loop's shape: 8 prompts x 8 rows (quick: 2 x 4)
-    quick_sizes, sizes = ((1024,), 2, 4, 16), ((1024, 2048, 4096), 8, 8, 32)
-    contexts, n_prompts, group, new = quick_sizes if quick else sizes
+    path = ("C++ kernel (kernels/sparse_decode_cpu.cpp)" if cpu_kernel() is not None
+            else "PyTorch gather (the C++ kernel did not build)")
+    # (name, prompts, rows per prompt): each row's context its own, as in a long generation; or
+    # the loop's shape, 8 prompts x 8 rows sharing a prompt that dense decode reads once per group
+    regimes = [("own", 4, 1), ("shared", 2, 4)] if quick else [("own", 16, 1), ("shared", 8, 8)]
+    contexts, new, rounds = ((1024,), 16, 1) if quick else ((1024, 2048, 4096), 32, 3)
     g = torch.Generator().manual_seed(0)
     lines = [f"Hardware: {hw}. Command: `{cmd}`. A random 4-layer Qwen3-shaped model (2 KV heads "
-             f"of 32), pages of 8 tokens, every layer sparse, {n_prompts} prompts x {group} rows, "
-             f"greedy, {new} new tokens; ms per decode token, best of 2 rounds.", "",
-             "| context | decode | attention share of dense decode | read fraction r | attention "
-             "+ selection (ms) | of dense attention | target r + 0.15 | met |",
-             "|---|---|---|---|---|---|---|---|"]
-    for ctx in contexts:
-        prompts = [torch.randint(3, 128, (ctx,), generator=g).tolist() for _ in range(n_prompts)]
-        res = measure(m, ctx, prompts, group, new, 1 if quick else 2)
-        d = res["dense"]
-        for arm, r in res.items():
-            cost = r["attn"] + r["select"]
-            ratio, target = cost / d["attn"], r["read"] + 0.15
-            met = "-" if arm == "dense" else ("yes" if ratio <= target else "no")
-            lines.append(f"| {ctx} | {arm} | {d['attn'] / d['decode']:.0%} | {r['read']:.2f} | "
-                         f"{r['attn']:.3f} + {r['select']:.3f} | {ratio:.2f} | {target:.2f} | "
-                         f"{met} |")
-        print("\n".join(lines[-len(res):]), flush=True)
+             f"of 32), pages of 8 tokens, every layer sparse, greedy, {new} new tokens; ms per "
+             f"decode token, best of {rounds} rounds. Sparse CPU path: {path}. Context \"own\": "
+             f"{regimes[0][1]} rows, each with its own prompt (as in long generations); "
+             f"\"shared\": {regimes[1][1]} prompts x {regimes[1][2]} rows, the prompt's pages "
+             f"shared by its rows.", "",
+             "| context | tokens | decode | attention share of dense decode | read fraction r | "
+             "attention + selection (ms) | of dense attention | target r + 0.15 | met |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, n_prompts, group in regimes:
+        for ctx in contexts:
+            prompts = [torch.randint(3, 128, (ctx,), generator=g).tolist()
+                       for _ in range(n_prompts)]
+            res = measure(m, ctx, prompts, group, new, rounds)
+            d = res["dense"]
+            for arm, r in res.items():
+                cost = r["attn"] + r["select"]
+                ratio, target = cost / d["attn"], r["read"] + 0.15
+                met = "-" if arm == "dense" else ("yes" if ratio <= target else "no")
+                lines.append(f"| {name} | {ctx} | {arm} | {d['attn'] / d['decode']:.0%} | "
+                             f"{r['read']:.2f} | {r['attn']:.3f} + {r['select']:.3f} | "
+                             f"{ratio:.2f} | {target:.2f} | {met} |")
+            print("\n".join(lines[-len(res):]), flush=True)
     return lines

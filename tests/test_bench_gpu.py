@@ -13,5 +13,8 @@ def test_gpu_bench_runs_at_toy_sizes_and_checks_what_it_times(tmp_path, monkeypa
     b = [r for r in rows if r.startswith("| (b)")]
     assert len(b) == 3 and all(float(r.split("flex err ")[1].split(" ")[0]) < 1e-3 for r in b)
     assert len([r for r in rows if r.startswith("| (c)")]) == 1
+    d = [r for r in rows if r.startswith("| (d)")]  # 2:4 semi-structured: runs or skips cleanly
+    assert d and (all("ms" in r or "failed" in r for r in d) if bench.gpu.torch.cuda.is_available()
+                  else d == ["| (d) 2:4 semi-structured vs masked dense | skipped: no GPU | | |"])
     assert (tmp_path / "out" / "bench_gpu.md").read_text().splitlines() == rows
     assert os.environ.get("TRITON_INTERPRET") == "1" or bench.gpu.torch.cuda.is_available()

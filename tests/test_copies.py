@@ -2,6 +2,8 @@
 inputs, fp8 weights stay within e4m3's rounding, both FP8Linear paths compute the same thing,
 refresh tracks the policy in place, and each form's log-prob mismatch against the policy is finite
 and ordered (same < bf16 < fp8 < 2:4)."""
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,9 +11,9 @@ import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
 from rollout import Engine
-from sparsity import apply_nm, nm_mask
-from copies import (FP8_MAX, FP8Linear, describe_copy, make_rollout_copy, parse_form, quantize_fp8,
-                    refresh_rollout_copy)
+from sparsity import apply_nm, nm_linears, nm_mask, wanda_scores
+from copies import (COPY_SKIP, FP8_MAX, FP8Linear, Int8Linear, describe_copy, make_rollout_copy,
+                    parse_form, quantize, quantize_fp8, refresh_rollout_copy, rollout_model_for)
 from sync import Receiver, Sender
 from test_rollout import PROMPTS, CharTok
 
@@ -238,3 +240,146 @@ def test_fp8_moe_copy_generates_and_reports_its_own_logprobs():
     print(f"fp8 MoE engine log-probs: max gap {to_copy:.4f} to the copy's forward, {to_policy:.4f} "
           f"to the policy's")
     assert to_copy < 0.1 and to_copy < to_policy / 2
+
+# ------------------------------------------------------- where an N:M copy's masks come from
+
+
+def pruned(copy):
+    """{weight name: weight} of the copy's N:M layers."""
+    sd = copy.state_dict()
+    return {k: sd[k] for k in copy.rollout_nm}
+
+
+def calib():
+    torch.manual_seed(5)
+    return [torch.randint(2, 30, (4, 12)) for _ in range(2)]
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (2, 8)])
+def test_every_mask_source_keeps_exactly_n_of_m_and_wanda_differs(n, m, tmp_path):
+    policy = sharp_model(moe=True)
+    with torch.no_grad():  # Wanda's scores only differ from magnitude where the input norms do
+        policy.model.layers[0].input_layernorm.weight.uniform_(0.2, 3.0)
+        policy.model.layers[1].post_attention_layernorm.weight.uniform_(0.2, 3.0)
+    fixed = {k: nm_mask(torch.randn_like(mod.weight), n, m)
+             for k, mod in nm_linears(policy, COPY_SKIP).items()}
+    torch.save(dict(n=n, m=m, method="random", masks=fixed), tmp_path / "masks.pt")
+    got = {}
+    for source in ("magnitude", "wanda", str(tmp_path)):
+        copy = make_rollout_copy(policy, f"nm{n}:{m}", source, calib() if source == "wanda"
+                                 else None)
+        assert len(copy.rollout_nm) == len(fixed) > 0
+        for k, w in pruned(copy).items():
+            assert ((w != 0).view(w.shape[0], -1, m).sum(-1) == n).all(), (source, k)
+        got[source] = {k: w != 0 for k, w in pruned(copy).items()}
+        assert f"masked {n}:{m} ({source} masks" in describe_copy(copy)
+    assert all(torch.equal(got[str(tmp_path)][k], fixed[k]) for k in fixed)
+    scores = wanda_scores(policy, calib(), COPY_SKIP)  # computed independently of the copy
+    for k in fixed:
+        assert torch.equal(got["wanda"][k], nm_mask(policy.state_dict()[k], n, m, scores[k]))
+    assert any(not torch.equal(got["wanda"][k], got["magnitude"][k]) for k in fixed)
+
+
+def test_fixed_masks_survive_refresh_and_scored_ones_follow_the_weights(tmp_path):
+    policy = sharp_model()
+    fixed = {k: nm_mask(torch.randn_like(mod.weight), 2, 4)
+             for k, mod in nm_linears(policy, COPY_SKIP).items()}
+    torch.save(dict(n=2, m=4, method="random", masks=fixed), tmp_path / "m.pt")
+    copies = {s: make_rollout_copy(policy, "nm2:4", s, calib() if s == "wanda" else None)
+              for s in ("magnitude", "wanda", str(tmp_path / "m.pt"))}
+    before = {s: {k: w.clone() for k, w in pruned(c).items()} for s, c in copies.items()}
+    ptrs = {s: {k: w.data_ptr() for k, w in pruned(c).items()} for s, c in copies.items()}
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    for s, c in copies.items():
+        refresh_rollout_copy(c, policy)
+        after = pruned(c)
+        assert all(ptrs[s][k] == after[k].data_ptr() for k in after)  # in place
+        for k, w in after.items():
+            if s.endswith("m.pt"):
+                assert torch.equal(w, policy.state_dict()[k] * fixed[k])
+        moved = sum(not torch.equal(before[s][k] != 0, after[k] != 0) for k in after)
+        assert (moved == 0) == s.endswith("m.pt"), (s, moved)
+
+
+def test_a_bad_mask_file_is_refused_with_its_layer_named(tmp_path):
+    policy = sharp_model()
+    good = {k: nm_mask(mod.weight, 2, 4) for k, mod in nm_linears(policy, COPY_SKIP).items()}
+    k0 = "model.layers.1.mlp.down_proj.weight"
+    cases = {"shape": (dict(good, **{k0: good[k0][:, :32]}), 2, 4, r"down_proj.*\(32, 32\)"),
+             "count": (dict(good, **{k0: torch.ones_like(good[k0])}), 2, 4, "exactly 2 of every 4"),
+             "pattern": (good, 2, 8, "are 2:8"),
+             "missing": ({k: v for k, v in good.items() if k != k0}, 2, 4, "no mask for")}
+    for name, (masks, n, m, msg) in cases.items():
+        torch.save(dict(n=n, m=m, masks=masks), tmp_path / f"{name}.pt")
+        with pytest.raises(ValueError, match=msg):
+            make_rollout_copy(policy, "nm2:4", str(tmp_path / f"{name}.pt"))
+    (tmp_path / "junk.pt").write_text("not a mask file")
+    with pytest.raises(ValueError, match="not a mask file"):
+        make_rollout_copy(policy, "nm2:4", str(tmp_path / "junk.pt"))
+
+
+def test_a_roi_mask_file_round_trips_into_the_copy(tmp_path):
+    """roi.py learns masks on a saved model and writes OUT/masks.pt; a copy of the unmasked model
+    under that file carries exactly the zeros of roi.py's masked model."""
+    import roi
+    from tasks import build_char_tokenizer
+    tok = build_char_tokenizer(str(tmp_path / "base"))
+    torch.manual_seed(0)
+    base = Transformer(ModelConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   intermediate_size=64, max_position_embeddings=256))
+    base.save_pretrained(str(tmp_path / "base"))
+    roi.main(["learn", str(tmp_path / "base"), "--nm=2:4", f"--out={tmp_path / 'roi'}",
+              "--steps=3", "--batch=4", "--eval=0", "--init=magnitude"])
+    masked = Transformer.from_pretrained(str(tmp_path / "roi")).state_dict()
+    copy = make_rollout_copy(base, "nm2:4", str(tmp_path / "roi"))  # the folder is enough
+    assert set(copy.rollout_nm) == set(torch.load(tmp_path / "roi" / "masks.pt")["masks"])
+    for k, w in pruned(copy).items():
+        assert torch.equal(w, masked[k]), k  # the same zeros, and the same kept weights
+    with pytest.raises(ValueError, match="are 2:4"):
+        make_rollout_copy(base, "nm1:4", str(tmp_path / "roi"))
+
+
+def test_rollout_model_for_reads_the_mask_key(tmp_path):
+    from config import parse_config
+    policy, prompts = sharp_model(), [[2, 3, 4, 5, 6], [7, 8, 9]] * 3
+    cfg = parse_config(["--rollout_copy=nm2:4", "--rollout_copy_mask=wanda"])
+    copy = rollout_model_for(cfg, policy, prompts)
+    assert copy.rollout_norms is not None and "wanda masks" in describe_copy(copy)
+    with pytest.raises(ValueError, match="rollout_copy_mask"):
+        rollout_model_for(cfg, policy)
+
+
+def test_plan_copy_mixes_blocks_and_refreshes_in_place(tmp_path):
+    policy = sharp_model()
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"blocks": {"model.layers.0": {"nm": "2:4", "precision": "int8"},
+                                           "model.layers.1": {"nm": "dense",
+                                                              "precision": "fp8"}}}))
+    copy = make_rollout_copy(policy, str(plan))
+    l0, l1 = copy.model.layers[0].mlp.up_proj, copy.model.layers[1].mlp.up_proj
+    assert type(l0) is Int8Linear and type(l1) is FP8Linear and l0.weight.dtype == torch.int8
+    assert set(copy.rollout_nm) == {k for k in nm_linears(policy) if ".layers.0." in k}
+    w0 = policy.model.layers[0].mlp.up_proj.weight
+    q, s = quantize(w0 * nm_mask(w0, 2, 4), torch.int8, 127.0)
+    assert torch.equal(l0.weight, q) and torch.equal(l0.weight_scale, s)
+    assert ((l0.weight != 0).view(l0.weight.shape[0], -1, 4).sum(-1) <= 2).all()
+    ptr = l0.weight.data_ptr()
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    refresh_rollout_copy(copy, policy.state_dict())
+    q, s = quantize(w0 * nm_mask(w0, 2, 4), torch.int8, 127.0)
+    assert l0.weight.data_ptr() == ptr and torch.equal(l0.weight, q)
+    line = describe_copy(copy)
+    assert "int8 W8A8" in line and "fp8 W8A8" in line and "masked 2:4" in line
+    ro = Engine(copy, CharTok(), max_new_tokens=6, temperature=1.0).generate(PROMPTS, 2, seed=0)
+    assert torch.isfinite(ro.logp[ro.mask]).all() and ro.mask.any()
+    for blocks, msg in (({"model.layers.0": {"nm": "5:4", "precision": "bf16"}}, "block"),
+                        ({"model.layers.0": {"nm": "dense", "precision": "fp4"}}, "block"),
+                        ({"model.layers.9": {"nm": "dense", "precision": "bf16"}}, "no Linear")):
+        plan.write_text(json.dumps({"blocks": blocks}))
+        with pytest.raises(ValueError, match=msg):
+            make_rollout_copy(policy, str(plan))

@@ -3,6 +3,8 @@
 cached by its settings rather than by the output folder."""
 import os
 
+import torch
+
 import config
 import report
 import train
@@ -46,3 +48,21 @@ def test_the_warm_start_is_cached_by_its_settings_not_by_the_output_folder(tmp_p
     ca, cb = (cache_path(config.parse_config(x)) for x in (a, b))
     assert ca == cb and os.path.isdir(ca)
     assert cache_path(config.parse_config(a + ["--sft_steps=4"])) != ca  # an SFT setting: a new one
+
+
+def test_the_equal_rollout_baselines_train_the_warm_start(tmp_path):
+    # bench/demo.py's two baselines, at toy size: RFT trains on the policy's own correct samples,
+    # more SFT on teacher traces up to a token budget
+    from bench import demo
+    argv = TINY_RUN + [f"--out_dir={tmp_path / 'run'}", "--save_every=100"]
+    cfg, run = demo.fresh_run(argv)
+    before = [p.detach().clone() for p in run.model.parameters()]
+    kept = demo.rft(cfg, run, rollouts=64, steps=2, seed=0)
+    moved = any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
+    assert 0 <= kept <= 64 and moved == (kept > 0)
+    cfg, run = demo.fresh_run(argv)  # the warm start again, from its cache
+    assert all(torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
+    assert demo.more_sft(cfg, run, tokens=300, seed=0) >= 300
+    assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
+    assert demo.beyond(cfg, {1: 0.5, 2: 1.0, 3: 0.0, 4: 1.0}) == 0.5  # mean above (1, 2)
+

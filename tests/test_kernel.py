@@ -402,3 +402,42 @@ def test_shared_prefix_decode_equals_attention_over_prefix_and_own_keys():
         want = F.scaled_dot_product_attention(q[b], torch.cat(keys, 1), torch.cat(vals, 1))
         assert (got[b] - want).abs().max() <= 1e-5, b
     assert bsd.prefix_index([-1, -1], [6], q.dtype, "cpu") is None
+
+
+# -----------------------------------------------------------------------------
+# the CPU fast path of sparse decode (C++ kernel, or the chunked gather) equals the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H_kv,G,page_size", [(2, 2, 16), (1, 4, 8), (4, 1, 4)])
+def test_cpu_sparse_path_equals_the_reference(dtype, H_kv, G, page_size):
+    """sparse_decode_cpu on the engine's head-major layout: random-order selections, pages past
+    the end, partial last pages, an empty sequence and an empty selection, junk padding in sel.
+    The C++ kernel must not read the NaN traps; the gather path reads the tail of a partial page
+    (and masks it), so it gets finite junk there instead."""
+    case, _, _ = make_case([0, 1, 29, 64, 45], H_kv=H_kv, G=G, D=32, page_size=page_size,
+                           sparse=True, past_end=True, dtype=dtype, seed=7)
+    case["n_sel"][2, 0] = 0  # a (row, head) that reads nothing
+    hm = {**case, "k_cache": head_major(case["k_cache"]), "v_cache": head_major(case["v_cache"])}
+    want = block_sparse_decode_ref(**case)
+    if bsd.cpu_kernel() is not None:
+        got = bsd.sparse_decode_cpu(**hm)
+        assert (got[0] == 0).all() and (got[2, :G] == 0).all()
+        assert_close(got, want, dtype)
+    finite = {k: v.nan_to_num(3.0) if k.endswith("cache") else v for k, v in hm.items()}
+    assert_close(bsd.sparse_decode_cpu(**finite, kernel=False), want, dtype)
+    assert torch.equal(decode_attention(**finite, finite=True), bsd.sparse_decode_cpu(**finite))
+    if H_kv > 1:  # a token-major cache has no page rows: decode_attention takes the reference
+        assert bsd.page_rows(case["k_cache"]) is None
+        assert torch.equal(decode_attention(**case, finite=True), want)
+
+
+def test_cpu_sparse_path_chunks_rows(monkeypatch):
+    """The gather path splits the batch into chunks that fit SPARSE_CHUNK_BYTES: one row per chunk
+    gives what one chunk for all gives."""
+    case, _, _ = make_case([9, 33, 50, 17], H_kv=2, G=2, D=16, page_size=4, sparse=True, seed=5)
+    hm = {k: head_major(v).nan_to_num(0.5) if k.endswith("cache") else v for k, v in case.items()}
+    whole = bsd.sparse_decode_cpu(**hm, kernel=False)
+    monkeypatch.setattr(bsd, "SPARSE_CHUNK_BYTES", 1)
+    assert torch.allclose(bsd.sparse_decode_cpu(**hm, kernel=False), whole, atol=1e-6, rtol=0)
+    assert_close(whole, block_sparse_decode_ref(**case), torch.float32)

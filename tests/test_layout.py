@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ["train", "calibrate", "roi", "report", "warmstart", "parallel", "checkpoint", "distill",
          "update", "copies", "sync", "rollout", "kernels.block_sparse_decode", "sparsity",
          "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers",
-         "model", "config"]
+         "model", "moe", "config"]
 CORE_MAX_LINES = 650
 FUNCTION_MAX_LINES = 80
 # the Triton kernel: one body, as the compiler wants it

@@ -1,0 +1,292 @@
+// The CPU kernel of block-sparse decode attention (kernels/block_sparse_decode.py,
+// `sparse_decode_cpu`, which builds it on first use with torch.utils.cpp_extension).
+//
+// PyTorch on a CPU can read selected pages only by gathering them into a new tensor first, and on
+// a memory-bound decode step the gather (a read and a write) costs more than the attention that
+// follows. This kernel reads each selected page where it lies in the pool, once for K and once
+// for V, as the Triton kernel does on a GPU.
+//
+// One (row, KV head) at a time, in two passes over its selected pages: the scaled scores of every
+// selected token for the G query heads of the group (a buffer that stays in the core's cache),
+// then softmax over them, then P @ V. The first pass prefetches the K and V pages a few ahead
+// into L2: a selection jumps around the pool, and the hardware prefetcher only follows runs.
+//
+// The contract is the Python one (block_sparse_decode.py's docstring), with the cache seen as
+// (rows, P * D) pages of one KV head each (float32, bf16 or fp16) and the queries as float32
+// (B, H_kv, G, D); a (row, head) with no token to read gives zeros. Compiled with -ffast-math: the
+// loops see no inf or NaN (the running max starts finite, and a cache holds finite values).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kAhead = 8;  // pages prefetched ahead (4 and 16 measured about the same)
+
+inline void prefetch(const void* p, int64_t bytes) {  // into L2: room for many lines in flight
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 1);
+}
+
+// e^x for x <= 0 without a library call, so that the compiler vectorizes the loop around it
+// (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n from the exponent bits); relative
+// error about 1e-7. Below -80 it returns 0: a weight of e^-80 changes nothing, and one near the
+// bottom of the float range would make denormal products in P @ V, which run 100x slower.
+inline float exp_nonpositive(float x0) {
+  const float x = std::max(x0, -80.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x0 < -80.0f ? 0.0f : y * scale;
+}
+
+struct Pages {  // the selection of one (row, KV head), read through the row's page table
+  const int32_t* sel;  // logical page ids
+  int64_t n_sel;
+  const int32_t* table;  // logical -> physical page
+  int64_t len, P, head;  // tokens cached, page size, KV head
+
+  // the tokens to read from logical page j of the selection (0: padding or past the end)
+  int64_t tokens(int64_t j) const {
+    const int64_t page = sel[j];
+    return page < 0 || page * P >= len ? 0 : std::min(P, len - page * P);
+  }
+  // its row in a (rows, P * D) view with row strides s (page) and h (head)
+  int64_t row(int64_t j, int64_t s, int64_t h) const { return table[sel[j]] * s + head * h; }
+};
+
+// DD > 0: the head dim as a constant, so that the loops over it unroll (no remainder loop)
+template <typename T, int64_t DD>
+void attend(const float* q, const T* k, const T* v, const Pages& pg, int64_t G, int64_t D_,
+            int64_t ks, int64_t kh, int64_t vs, int64_t vh, float scale, float* s, float* o) {
+  const int64_t D = DD > 0 ? DD : D_;
+  const int64_t P = pg.P, stride = pg.n_sel * P;  // the score buffer s is (G, n_sel * P)
+  int64_t n = 0;  // tokens read so far
+  for (int64_t j = 0; j < std::min(kAhead, pg.n_sel); ++j) {
+    if (pg.tokens(j)) {
+      prefetch(k + pg.row(j, ks, kh) * P * D, P * D * sizeof(T));
+      prefetch(v + pg.row(j, vs, vh) * P * D, P * D * sizeof(T));
+    }
+  }
+  for (int64_t j = 0; j < pg.n_sel; ++j) {
+    if (j + kAhead < pg.n_sel && pg.tokens(j + kAhead)) {  // V too: pass 2 finds it in L2
+      prefetch(k + pg.row(j + kAhead, ks, kh) * P * D, P * D * sizeof(T));
+      prefetch(v + pg.row(j + kAhead, vs, vh) * P * D, P * D * sizeof(T));
+    }
+    const int64_t c = pg.tokens(j);
+    if (!c) continue;
+    const T* kp = k + pg.row(j, ks, kh) * P * D;
+    for (int64_t t = 0; t < c; ++t, ++n) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        const T* kt = kp + t * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(kt[d]);
+        s[g * stride + n] = dot * scale;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * stride;
+    float mx = -3.0e38f, sum = 0.f;
+#pragma omp simd reduction(max : mx)
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = exp_nonpositive(sg[i] - mx);
+      sum += sg[i];
+    }
+    const float inv = n > 0 ? 1.f / sum : 0.f;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+  }
+  std::fill(o, o + G * D, 0.f);
+  n = 0;
+  for (int64_t j = 0; j < pg.n_sel; ++j) {
+    if (j + kAhead < pg.n_sel && pg.tokens(j + kAhead))
+      prefetch(v + pg.row(j + kAhead, vs, vh) * P * D, P * D * sizeof(T));
+    const int64_t c = pg.tokens(j);
+    if (!c) continue;
+    const T* vp = v + pg.row(j, vs, vh) * P * D;
+    for (int64_t t = 0; t < c; ++t, ++n) {
+      const T* vt = vp + t * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g * stride + n];
+        float* og = o + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) og[d] += p * static_cast<float>(vt[d]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// q (B, H, G, D) float32; k_rows, v_rows (rows, P * D); page_table (B, max_pages), seq_lens (B,),
+// sel (B, H, S), n_sel (B, H): contiguous int32, the Python contract; ks, kh, vs, vh: the row
+// strides of a page and a head in k_rows and v_rows (`page_rows`) -> (B, H, G, D) float32
+torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_rows, torch::Tensor v_rows,
+                            torch::Tensor page_table, torch::Tensor seq_lens, torch::Tensor sel,
+                            torch::Tensor n_sel, int64_t P, int64_t ks, int64_t kh, int64_t vs,
+                            int64_t vh, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "q must be a contiguous float32 (B, H, G, D) tensor");
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = sel.size(2);
+  TORCH_CHECK(k_rows.scalar_type() == v_rows.scalar_type(), "K and V must share a dtype");
+  for (const auto& t : {k_rows, v_rows})
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == P * D && t.stride(0) == P * D && t.stride(1) == 1,
+                "k_rows and v_rows must be (rows, page_size * D) with contiguous rows");
+  for (const auto& t : {page_table, seq_lens, sel, n_sel})
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(),
+                "page_table, seq_lens, sel and n_sel must be contiguous int32");
+  const int64_t max_pages = page_table.size(1);
+  auto out = torch::empty({B, H, G, D}, q.options());
+  const int32_t *tab = page_table.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
+  const int32_t *sl = sel.data_ptr<int32_t>(), *ns = n_sel.data_ptr<int32_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_rows.scalar_type(), "sparse", [&] {
+    const scalar_t *k = k_rows.data_ptr<scalar_t>(), *v = v_rows.data_ptr<scalar_t>();
+    const float* qp = q.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> s(G * S * P);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H;
+        const Pages pg{sl + bh * S, std::min<int64_t>(ns[bh], S), tab + b * max_pages, lens[b], P,
+                       bh % H};
+        const float* qb = qp + bh * G * D;
+        float* ob = op + bh * G * D;
+        const float sc = static_cast<float>(scale);
+        if (D == 32)
+          attend<scalar_t, 32>(qb, k, v, pg, G, D, ks, kh, vs, vh, sc, s.data(), ob);
+        else if (D == 64)
+          attend<scalar_t, 64>(qb, k, v, pg, G, D, ks, kh, vs, vh, sc, s.data(), ob);
+        else if (D == 128)
+          attend<scalar_t, 128>(qb, k, v, pg, G, D, ks, kh, vs, vh, sc, s.data(), ob);
+        else
+          attend<scalar_t, 0>(qb, k, v, pg, G, D, ks, kh, vs, vh, sc, s.data(), ob);
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+// the score of logical page j of row b for KV head h: the group's mean query against the mean
+// key (centroid), or Quest's bound, the max over the group's queries (lo, hi non-null)
+template <typename T, int64_t DD>
+float page_score(const float* q, const float* qm, const T* mean, const T* lo, const T* hi,
+                 int64_t row, int64_t G, int64_t D_) {
+  const int64_t D = DD > 0 ? DD : D_;  // DD > 0: a constant, as in attend
+  if (lo == nullptr) {
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += qm[d] * static_cast<float>(mean[row * D + d]);
+    return dot;
+  }
+  float best = -3.0e38f;
+  for (int64_t g = 0; g < G; ++g) {
+    float bound = 0.f;
+#pragma omp simd reduction(+ : bound)
+    for (int64_t d = 0; d < D; ++d) {
+      const float a = q[g * D + d] * static_cast<float>(lo[row * D + d]);
+      const float c = q[g * D + d] * static_cast<float>(hi[row * D + d]);
+      bound += std::max(a, c);
+    }
+    best = std::max(best, bound);
+  }
+  return best;
+}
+
+}  // namespace
+
+// sparsity.select_pages over centroid or Quest scores, for every (row, KV head) at once, the
+// metadata read in place through the page tables: q (B, H, G, D) float32; meta (num_pages, H, D)
+// of one layer, [kmean] or [kmin, kmax]; page_table (B, max_pages), n_pages, n_full, n_read (B,)
+// contiguous int32 -> sel (B, H, S) int32 ascending, zero-padded
+torch::Tensor select_pages(torch::Tensor q, std::vector<torch::Tensor> meta,
+                           torch::Tensor page_table, torch::Tensor n_pages, torch::Tensor n_full,
+                           torch::Tensor n_read, int64_t keep_first, int64_t keep_recent,
+                           int64_t S) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "q must be a contiguous float32 (B, H, G, D) tensor");
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  TORCH_CHECK(meta.size() == 1 || meta.size() == 2, "meta must be [kmean] or [kmin, kmax]");
+  for (const auto& t : meta)
+    TORCH_CHECK(t.dim() == 3 && t.size(1) == H && t.size(2) == D && t.is_contiguous() &&
+                    t.scalar_type() == meta[0].scalar_type(),
+                "page metadata must be contiguous (num_pages, H_kv, D) of one dtype");
+  for (const auto& t : {page_table, n_pages, n_full, n_read})
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(),
+                "page_table and the counts must be contiguous int32");
+  const int64_t max_pages = page_table.size(1);
+  auto sel = torch::zeros({B, H, S}, page_table.options());
+  const int32_t *tab = page_table.data_ptr<int32_t>(), *np = n_pages.data_ptr<int32_t>();
+  const int32_t *nf = n_full.data_ptr<int32_t>(), *nr = n_read.data_ptr<int32_t>();
+  int32_t* out = sel.data_ptr<int32_t>();
+  const float* qp = q.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, meta[0].scalar_type(), "select", [&] {
+    const scalar_t* m0 = meta[0].data_ptr<scalar_t>();
+    const scalar_t* m1 = meta.size() == 2 ? meta[1].data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<std::pair<float, int32_t>> cand;
+      std::vector<char> take;
+      std::vector<float> qm(D);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, h = bh % H, n = np[b];
+        const float* qb = qp + bh * G * D;
+        for (int64_t d = 0; d < D; ++d) {
+          float x = 0.f;
+          for (int64_t g = 0; g < G; ++g) x += qb[g * D + d];
+          qm[d] = x / G;
+        }
+        // always read: the first keep_first, the last keep_recent and the partial last page
+        take.assign(n, 0);
+        cand.clear();
+        int64_t kept = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          if (j < keep_first || j >= n - keep_recent || j >= nf[b]) {
+            take[j] = 1;
+            ++kept;
+          } else {
+            const int64_t row = tab[b * max_pages + j] * H + h;
+            const scalar_t* lo = m1 ? m0 : nullptr;
+            const float score =
+                D == 32    ? page_score<scalar_t, 32>(qb, qm.data(), m0, lo, m1, row, G, D)
+                : D == 64  ? page_score<scalar_t, 64>(qb, qm.data(), m0, lo, m1, row, G, D)
+                : D == 128 ? page_score<scalar_t, 128>(qb, qm.data(), m0, lo, m1, row, G, D)
+                           : page_score<scalar_t, 0>(qb, qm.data(), m0, lo, m1, row, G, D);
+            cand.emplace_back(score, static_cast<int32_t>(j));
+          }
+        }
+        // then the best-scored pages, up to n_read
+        const int64_t want = std::clamp<int64_t>(nr[b] - kept, 0, cand.size());
+        auto better = [](const auto& x, const auto& y) { return x.first > y.first; };
+        std::nth_element(cand.begin(), cand.begin() + want, cand.end(), better);
+        for (int64_t i = 0; i < want; ++i) take[cand[i].second] = 1;
+        int32_t* o = out + bh * S;
+        for (int64_t j = 0, i = 0; j < n && i < S; ++j)
+          if (take[j]) o[i++] = static_cast<int32_t>(j);
+      }
+    });
+  });
+  return sel;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sparse_decode", &sparse_decode, "block-sparse decode attention over a paged pool");
+  m.def("select_pages", &select_pages, "page selection over centroid or Quest scores");
+}
