@@ -1,11 +1,12 @@
 """
 bench/demo.py: does the embedded default's RL do more than cheaper ways to spend the same rollouts?
-For each seed, from the same warm start, three arms, each scored greedy on the same held-out problems
-per difficulty:
+For each seed, from the same warm start, three arms, each scored greedy on the same held-out
+problems per difficulty:
 
     RL        `python train.py --seed=S` (the default run itself);
-    RFT       rejection-sampling fine-tuning: as many rollouts as the RL run generated, sampled from
-              the warm start at the rollout temperature on the same pool, and SFT on the correct ones;
+    RFT       rejection-sampling fine-tuning: as many rollouts as the RL run generated, sampled
+              from the warm start at the rollout temperature on the same pool, and SFT on the
+              correct ones;
     more SFT  the warm start trained further on as many teacher tokens as the RL run generated, on
               fresh problems of its own SFT range, from the same teacher.
 
@@ -91,10 +92,11 @@ def rft(cfg, run, rollouts, steps, seed):
 
 
 def more_sft(cfg, run, tokens, seed):
-    """The warm start's own SFT, continued on fresh teacher traces until `tokens` completion tokens."""
+    """The warm start's own SFT, continued on fresh teacher traces up to `tokens` completion
+    tokens."""
     rng = random.Random(seed)
     rows, n = [], 0
-    for p in make_synthetic(10 * tokens // 20 + 64, seed + 30_000,
+    for p in make_synthetic(tokens // 8 + 64, seed + 30_000,  # a trace is 9 or more tokens
                             cfg.sft_difficulty or cfg.difficulty, cfg.order):
         if n >= tokens:
             break
