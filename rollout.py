@@ -31,7 +31,7 @@ What one call does:
        last page and attends: dense on a CPU over the lanes' view in place (no gather) and over
        each shared prompt once per group, its rows' queries side by side, merged by log-sum-exp (a
        capped pool gathers every token); on a GPU, and sparse: `decode_attention` (Triton, or a
-       C++ kernel on a CPU) from kernels/block_sparse_decode.py, through the page tables.
+       C++ kernel on a CPU) from kernels/, through the page tables.
     4. Dense decode reads every page. Sparse decode (`sparse=` a budget function from sparsity.py)
        reads, in each layer past the first `dense_layers`, the pages that `sparsity.select_pages`
        picks from the page metadata (mean key, and min/max keys for Quest), which a sparse engine
@@ -82,9 +82,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.block_sparse_decode import (attend_rows, cpu_kernel, decode_attention, dense_slots,
-                                         length_mask, prefix_index, select_pages_cpu,
-                                         shared_prefix_decode)
+from kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots, length_mask,
+                                         prefix_index, shared_prefix_decode)
+from kernels.sparse_decode_cpu import cpu_kernel, select_pages_cpu
 from moe import record_routes
 from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,
                       select_pages)

@@ -31,7 +31,7 @@ Simplifications:
 import torch
 
 from bench.common import hardware
-from kernels.block_sparse_decode import cpu_kernel
+from kernels.sparse_decode_cpu import cpu_kernel
 from model import ModelConfig, Transformer
 from rollout import Engine
 from sparsity import fraction_budget

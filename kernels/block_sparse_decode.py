@@ -46,10 +46,10 @@ Simplifications and rules:
    a group of rows shares once for the group (`shared_prefix_decode`: the rows' queries side by
    side, merged with each row's own part by log-sum-exp, `merge_attention`).
 7. Sparse decode on a CPU (the engine passes finite=True; a head-major cache) takes
-   `sparse_decode_cpu`: a C++ kernel (sparse_decode_cpu.cpp, built on first use with
-   torch.utils.cpp_extension and cached; ZEROS_CPU_KERNEL=0 skips it) that reads the selected pages
-   in place, since PyTorch can only gather them first, and the gather costs more than the
-   attention. Its `select_pages_cpu` also does the page selection (centroid or Quest scores read
+   `sparse_decode_cpu` (kernels/sparse_decode_cpu.py): a C++ kernel (sparse_decode_cpu.cpp, built
+   on first use with torch.utils.cpp_extension and cached; ZEROS_CPU_KERNEL=0 skips it) that reads
+   the selected pages in place, since PyTorch can only gather them first, and the gather costs
+   more than the attention. Its `select_pages_cpu` also does the page selection (centroid or Quest scores read
    through the page tables, then sparsity.select_pages' rule) in one call. Without a C++ compiler,
    a PyTorch path gathers whole pages a chunk of rows at a time and masks them in SDPA.
 
@@ -62,12 +62,13 @@ FlexAttention; CPU: the PyTorch reference against the CPU fast path). Tests:
 import functools
 import math
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kernels.sparse_decode_cpu import page_rows, sparse_decode_cpu
 
 # The interpreter runs the kernel on the CPU with numpy, and its bf16 arithmetic is not faithful,
 # so under it every load is cast to fp32 at once. Triton reads this flag when a kernel is decorated.
@@ -340,7 +341,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, sel=None, n_sel=
 
 
 # -----------------------------------------------------------------------------
-# PyTorch reference, and the CPU fast paths beside it
+# PyTorch reference, and the CPU dense paths beside it (sparse: kernels/sparse_decode_cpu.py)
 
 
 def cache_rows(cache):
@@ -392,111 +393,6 @@ def block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_se
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=tok_ok, scale=scale)  # (B, H_kv, G, D)
     # nothing valid (an empty row or selection): 0
     out = torch.where(tok_ok.any(-1, keepdim=True), out, 0.0)
-    return out.view(B, H_q, D).to(q.dtype)
-
-
-# Without the C++ kernel, the CPU fast path gathers the selected pages of a chunk of rows at a
-# time into buffers of at most this many bytes (K and V together), which SDPA then reads back from
-# the core's cache rather than from memory.
-SPARSE_CHUNK_BYTES = 1 << 19
-# the instruction set the C++ kernel is built for, by what torch found on this CPU (a name each,
-# so that a build cached for one CPU is never loaded on another)
-_MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_kernel():
-    """The C++ kernel of sparse_decode_cpu.cpp, built on first use (about a minute; torch caches
-    the build) or None: ZEROS_CPU_KERNEL=0, or no C++ compiler (a warning says why)."""
-    if os.environ.get("ZEROS_CPU_KERNEL", "1") == "0":
-        return None
-    isa = torch.backends.cpu.get_cpu_capability()
-    # -ffast-math lets the loops vectorize (reductions reassociated); it is not passed to the link,
-    # so it does not switch the process to flushing denormals
-    flags = ["-O3", "-ffast-math", "-fopenmp-simd"] + ([f"-march={_MARCH[isa]}"] if isa in _MARCH
-                                                        else [])
-    try:
-        from torch.utils.cpp_extension import load  # lazy: it pulls in the build tooling
-        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sparse_decode_cpu.cpp")
-        return load(f"zeros_sparse_decode_{isa.lower()}", [src], extra_cflags=flags)
-    except Exception as e:  # no compiler or no ninja: the PyTorch path instead
-        warnings.warn(f"the CPU sparse decode kernel did not build ({e}); using the gather path")
-        return None
-
-
-def select_pages_cpu(q, meta, page_table, n_pages, n_full, n_read, keep_first=1, keep_recent=2,
-                     max_read=None):
-    """sparsity.select_pages over centroid_scores (meta = [kmean]) or quest_scores ([kmin, kmax])
-    in one C++ call, the layer's page metadata (num_pages, H_kv, D) read in place through the page
-    tables: no gather and no small tensor ops per layer. Same arguments and result (ties between
-    equal scores may break the other way); None without the C++ kernel."""
-    ext = cpu_kernel()
-    if ext is None:
-        return None
-    B, H_q, D = q.shape
-    H = meta[0].shape[1]
-    k = int(n_read.max()) if max_read is None else max_read
-    n_pages, n_full, n_read = (x.int().contiguous() for x in (n_pages, n_full, n_read))
-    sel = ext.select_pages(q.reshape(B, H, H_q // H, D).float().contiguous(), list(meta),
-                           page_table.int().contiguous(), n_pages, n_full, n_read, keep_first,
-                           keep_recent, k)
-    return sel, n_read[:, None].expand(B, H)
-
-
-def page_rows(cache):
-    """A cache (num_pages, page_size, H_kv, D) whose pages are contiguous per KV head (the engine's
-    head-major pool) as a (rows, page_size * D) view, with the row strides s of a page and h of a
-    head: page i of head j is row i * s + j * h. None for other layouts (a token-major cache)."""
-    NP, P, H, D = cache.shape
-    sp, st, sh, sd = cache.stride()
-    if sd != 1 or st != D or sp % (P * D) or (H > 1 and sh % (P * D)):
-        return None
-    n = ((NP - 1) * sp + (H - 1) * sh) // (P * D) + 1
-    return cache.as_strided((n, P * D), (P * D, 1)), sp // (P * D), sh // (P * D)
-
-
-def sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale=None,
-                      kernel=True):
-    """The CPU fast path of sparse decode, beside the reference: the same contract, for a cache
-    that `page_rows` can view (head-major). The C++ kernel (`cpu_kernel`) reads the selected pages
-    in place; without it (or kernel=False) whole pages are gathered, one index_select per cache for
-    all KV heads, in the cache's dtype, a chunk of rows at a time, and SDPA masks the tokens past
-    each row's end: that path reads the unread tail of a partial page too, so the cache must hold
-    finite values there (0 * NaN is NaN; the engine's pool starts at zero)."""
-    B, H_q, D = q.shape
-    _, P, H, _ = k_cache.shape
-    S, G, dev = sel.shape[2], H_q // H, q.device
-    scale = D ** -0.5 if scale is None else scale
-    (kr, ks, kh), (vr, vs, vh) = page_rows(k_cache), page_rows(v_cache)
-    qg, ext = q.reshape(B, H, G, D), cpu_kernel() if kernel else None
-    if ext is not None:  # the index work too: no small tensor ops per layer
-        ints = [t.int().contiguous() for t in (page_table, seq_lens, sel, n_sel)]
-        out = ext.sparse_decode(qg.float().contiguous(), kr, vr, *ints, P, ks, kh, vs, vh, scale)
-        return out.view(B, H_q, D).to(q.dtype)
-    seq_lens, page = seq_lens.long(), sel.long()
-    slot_ok = torch.arange(S, device=dev) < n_sel[..., None]
-    page_ok = slot_ok & (page * P < seq_lens[:, None, None])  # (B, H_kv, S)
-    page = torch.where(page_ok, page, 0)  # padding and pages past the end: never look them up
-    phys = page_table.long().gather(1, page.view(B, H * S)).view(B, H, S)
-    first = torch.where(seq_lens > 0, page_table[:, 0].long(), 0)  # an empty row's table: anything
-    phys = torch.where(page_ok, phys, first[:, None, None])  # a real page, read for nothing
-    heads = torch.arange(H, device=dev)[:, None]
-    krow, vrow = phys * ks + heads * kh, phys * vs + heads * vh  # (B, H_kv, S)
-    # tokens to read from the start of each selected page: all, the partial last page's, or none
-    cnt = torch.where(page_ok, (seq_lens[:, None, None] - page * P).clamp(max=P), 0)
-    ok = (torch.arange(P, device=dev) < cnt[..., None]).view(B, H, 1, S * P)
-    qg, out = qg.to(k_cache.dtype), qg.new_empty(qg.shape, dtype=k_cache.dtype)
-    c = max(1, SPARSE_CHUNK_BYTES // (2 * H * S * P * D * k_cache.element_size()))
-    kb, vb = (torch.empty(min(c, B) * H * S, P * D, dtype=x.dtype, device=dev) for x in (kr, vr))
-    for b0 in range(0, B, c):
-        b1 = min(B, b0 + c)
-        n = (b1 - b0) * H * S
-        k, v = (torch.index_select(rows, 0, idx[b0:b1].reshape(-1), out=buf[:n])
-                .view(b1 - b0, H, S * P, D) for rows, idx, buf in ((kr, krow, kb), (vr, vrow, vb)))
-        out[b0:b1] = F.scaled_dot_product_attention(qg[b0:b1], k, v, attn_mask=ok[b0:b1],
-                                                    scale=scale)
-    # nothing valid (an empty row or selection): 0
-    out = torch.where(ok.any(-1, keepdim=True), out, 0.0)
     return out.view(B, H_q, D).to(q.dtype)
 
 

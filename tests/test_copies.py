@@ -18,14 +18,6 @@ from sync import Receiver, Sender
 from test_rollout import PROMPTS, CharTok
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def sharp_model(seed=0, moe=False, std=0.3):
     """A tiny model with weights large enough that its next-token distributions are peaked, as a
     trained model's are (at the default init every log-prob is about -log V and every form looks

@@ -24,14 +24,6 @@ hirelc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hirelc)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_cost_model_orders_settings_and_split_respects_the_budget():
     shapes = [[(64, 32), (32, 64)]] * 2
     cost = hirelc.CostModel(shapes, (30, 32), rows=128)

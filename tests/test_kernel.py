@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.block_sparse_decode as bsd
+import kernels.sparse_decode_cpu as cpu_path
 
 if bsd._INTERPRET != (os.environ["TRITON_INTERPRET"] == "1"):
     # imported earlier under the other mode
@@ -420,15 +421,15 @@ def test_cpu_sparse_path_equals_the_reference(dtype, H_kv, G, page_size):
     case["n_sel"][2, 0] = 0  # a (row, head) that reads nothing
     hm = {**case, "k_cache": head_major(case["k_cache"]), "v_cache": head_major(case["v_cache"])}
     want = block_sparse_decode_ref(**case)
-    if bsd.cpu_kernel() is not None:
-        got = bsd.sparse_decode_cpu(**hm)
+    if cpu_path.cpu_kernel() is not None:
+        got = cpu_path.sparse_decode_cpu(**hm)
         assert (got[0] == 0).all() and (got[2, :G] == 0).all()
         assert_close(got, want, dtype)
     finite = {k: v.nan_to_num(3.0) if k.endswith("cache") else v for k, v in hm.items()}
-    assert_close(bsd.sparse_decode_cpu(**finite, kernel=False), want, dtype)
-    assert torch.equal(decode_attention(**finite, finite=True), bsd.sparse_decode_cpu(**finite))
+    assert_close(cpu_path.sparse_decode_cpu(**finite, kernel=False), want, dtype)
+    assert torch.equal(decode_attention(**finite, finite=True), cpu_path.sparse_decode_cpu(**finite))
     if H_kv > 1:  # a token-major cache has no page rows: decode_attention takes the reference
-        assert bsd.page_rows(case["k_cache"]) is None
+        assert cpu_path.page_rows(case["k_cache"]) is None
         assert torch.equal(decode_attention(**case, finite=True), want)
 
 
@@ -437,7 +438,7 @@ def test_cpu_sparse_path_chunks_rows(monkeypatch):
     gives what one chunk for all gives."""
     case, _, _ = make_case([9, 33, 50, 17], H_kv=2, G=2, D=16, page_size=4, sparse=True, seed=5)
     hm = {k: head_major(v).nan_to_num(0.5) if k.endswith("cache") else v for k, v in case.items()}
-    whole = bsd.sparse_decode_cpu(**hm, kernel=False)
-    monkeypatch.setattr(bsd, "SPARSE_CHUNK_BYTES", 1)
-    assert torch.allclose(bsd.sparse_decode_cpu(**hm, kernel=False), whole, atol=1e-6, rtol=0)
+    whole = cpu_path.sparse_decode_cpu(**hm, kernel=False)
+    monkeypatch.setattr(cpu_path, "SPARSE_CHUNK_BYTES", 1)
+    assert torch.allclose(cpu_path.sparse_decode_cpu(**hm, kernel=False), whole, atol=1e-6, rtol=0)
     assert_close(whole, block_sparse_decode_ref(**case), torch.float32)

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # calibrate.py and roi.py (which build the policy as a run would); report.py; what builds a run; the
 # stages; the leaves.
 ORDER = ["train", "calibrate", "roi", "report", "warmstart", "parallel", "checkpoint", "distill",
-         "update", "copies", "sync", "rollout", "kernels.block_sparse_decode", "sparsity",
+         "update", "copies", "sync", "rollout", "kernels.block_sparse_decode",
+         "kernels.sparse_decode_cpu", "sparsity",
          "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers",
          "model", "moe", "config"]
 CORE_MAX_LINES = 650

@@ -164,7 +164,7 @@ def test_full_budget_selection_through_decode_attention_equals_sdpa():
 def test_cpu_selection_equals_select_pages(scorer):
     """select_pages_cpu (the C++ kernel: scores read in place through the page tables) picks what
     select_pages picks from the gathered scores, at budgets from the kept pages to everything."""
-    from kernels.block_sparse_decode import cpu_kernel, select_pages_cpu
+    from kernels.sparse_decode_cpu import cpu_kernel, select_pages_cpu
     if cpu_kernel() is None:
         pytest.skip("the C++ CPU kernel did not build here")
     gen = torch.Generator().manual_seed(2)
