@@ -17,8 +17,10 @@ Where the attention happens:
     flash-attn varlen (packed training on a GPU), or `cache.attend(layer, q, k, v)` when a KV cache
     is passed. The rollout engine owns the cache object, so it decides there whether a decode step
     reads every KV page or a sparse subset. It also generates inside `model.packed()`: on a CPU the
-    weight matmuls (q|k|v and gate|up stacked, o, down, lm_head) run on copies packed for oneDNN,
-    about 1.6x MKL's F.linear at decode sizes (its sums are ordered differently: last bits).
+    weight matmuls (q|k|v and gate|up stacked, o, down, lm_head) run on packed copies: for a step of
+    at most 8 rows, kernels/linear_cpu.py's C++ loop, which streams each weight once (about 1.7x
+    oneDNN there); above, oneDNN's packed kernel, about 1.6x MKL's F.linear at decode sizes. Their
+    sums are ordered differently from F.linear's: last bits.
 
 LoRA (stage 4, sparse updates):
     add_lora(model, r=8, alpha=16)      # q,k,v,o,gate,up,down (MoE experts too; never lm_head,
@@ -47,7 +49,8 @@ Simplifications:
     4. LoRA: one adapter per model, one rank and alpha for every target; no DoRA, no rsLoRA, no
        embedding adapters.
     5. The packed CPU path calls torch.ops.mkldnn (not a public API), for plain fp32 nn.Linears of
-       models 256 wide or more; it holds a second copy of those weights while generating.
+       models 256 wide or more; it holds two more copies of those weights while generating (the
+       C++ kernel's, unless it is off: ZEROS_CPU_KERNEL=0).
 """
 
 import contextlib
@@ -60,6 +63,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.linear_cpu import SMALL_ROWS, linear_cpu, linear_cpu_pack
 from moe import MoE
 
 try:  # optional: packed (no padding) training on a CUDA machine
@@ -156,11 +160,16 @@ def apply_rope(x, cos, sin):
 
 
 def linears(x, mods, packed=None):
-    """[m(x) for m in mods], or one matmul on `packed`: their weights stacked in oneDNN's layout
-    (Transformer.packed), whose kernel streams them at the memory's speed at decode sizes."""
+    """[m(x) for m in mods], or one matmul on `packed` (Transformer.packed): their weights stacked,
+    in kernels/linear_cpu's layout for a batch of at most SMALL_ROWS rows (a small decode step),
+    else in oneDNN's."""
     if packed is None:
         return [m(x) for m in mods]
-    y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    onednn, small, n = packed
+    if small is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
+        y = linear_cpu(x, small, n)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
     return (y,) if len(mods) == 1 else y.split_with_sizes([m.out_features for m in mods], -1)
 
 
@@ -292,7 +301,7 @@ class Transformer(nn.Module):
     @contextlib.contextmanager
     def packed(self):
         """On a CPU, each module with PACKS gets `packs`: its Linears' weights stacked per group,
-        packed for oneDNN (bias-free fp32 nn.Linears only: a LoRA, fp8 or N:M layer keeps its own
+        packed for oneDNN and for kernels/linear_cpu (bias-free fp32 nn.Linears only: a LoRA, fp8 or N:M layer keeps its own
         forward). Made on entry, dropped on exit (updated weights read fresh); no_grad only."""
         on = (self.lm_head.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
               and self.config.hidden_size >= self.PACK_MIN_HIDDEN)
@@ -302,9 +311,10 @@ class Transformer(nn.Module):
         try:
             for m in mods:
                 groups = {k: [getattr(m, n) for n in names] for k, names in m.PACKS.items()}
-                m.packs = {k: torch.ops.mkldnn._reorder_linear_weight(
-                    torch.cat([lin.weight.detach() for lin in lins]), None)
-                    for k, lins in groups.items() if all(map(plain, lins))}
+                stacked = {k: torch.cat([lin.weight.detach() for lin in lins])
+                           for k, lins in groups.items() if all(map(plain, lins))}
+                m.packs = {k: (torch.ops.mkldnn._reorder_linear_weight(w, None),
+                               linear_cpu_pack(w), w.shape[0]) for k, w in stacked.items()}
             yield self
         finally:
             for m in mods:

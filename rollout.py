@@ -294,11 +294,10 @@ class PagedKVCache:
             self._own_base = None if min(own) == max(own) else torch.tensor(own, device=dev)
             slot = {r: s for s, (_, rs) in enumerate(self.prefixes) for r in rs}
             self._pre = prefix_index([slot.get(rows[j], -1) for j in order],
-                                     [n for n, _ in self.prefixes], self.k.dtype, dev)
+                                     [n for n, _ in self.prefixes], dev)
         self._steps += 1  # the new token
         self._own = self._own_max + self._steps
-        self._own_mask = (None if self._own_base is None
-                          else length_mask(self._own_base + self._steps, self._own, self.k.dtype))
+        self._own_lens = None if self._own_base is None else self._own_base + self._steps
 
     # ---- what the model calls
 
@@ -354,10 +353,10 @@ class PagedKVCache:
             qg = qg.index_select(0, self._by_lane)
         own = [runs(t, S * P * ps, B, R * ps, self._own) for t in (kp, vp)]
         if self._pre is None:
-            y = attend_rows(qg, *own, self._own_mask)
+            y = attend_rows(qg, *own, self._own_lens)
         else:
             pre = [runs(t, 0, S, P * ps, self._pre[0]) for t in (kp, vp)]
-            y = shared_prefix_decode(qg, *own, self._own_mask, *pre, self._pre)
+            y = shared_prefix_decode(qg, *own, self._own_lens, *pre, self._pre)
         return (y if self._by_lane is None else y.index_select(0, self._lane)).view(B, -1, D)
 
     def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)

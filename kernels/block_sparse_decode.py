@@ -42,8 +42,8 @@ Simplifications and rules:
 6. Without Triton (CPU tensors, or use_triton=False), dense decode (sel=None) takes a faster PyTorch
    path than the reference: one gather of every cached token per cache, then fused SDPA
    (`dense_decode_ref`). Same contract. Where each row's tokens are one contiguous run (the
-   engine's lanes), the CPU reads them in place with no gather (`attend_rows`), and a prompt that
-   a group of rows shares once for the group (`shared_prefix_decode`: the rows' queries side by
+   engine's lanes), the CPU reads them in place with no gather (`attend_rows`: the C++ kernel's
+   one-pass `attend_runs`, or SDPA), and a prompt that a group of rows shares once for the group (`shared_prefix_decode`: the rows' queries side by
    side, merged with each row's own part by log-sum-exp, `merge_attention`).
 7. Sparse decode on a CPU (the engine passes finite=True; a head-major cache) takes
    `sparse_decode_cpu` (kernels/sparse_decode_cpu.py): a C++ kernel (sparse_decode_cpu.cpp, built
@@ -68,7 +68,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.sparse_decode_cpu import page_rows, sparse_decode_cpu
+from kernels.sparse_decode_cpu import attend_runs_cpu, page_rows, sparse_decode_cpu
 
 # The interpreter runs the kernel on the CPU with numpy, and its bf16 arithmetic is not faithful,
 # so under it every load is cast to fp32 at once. Triton reads this flag when a kernel is decorated.
@@ -438,13 +438,19 @@ def length_mask(lens, T, dtype):
     return mask[:, None, None]
 
 
-def attend_rows(q, k, v, mask=None, lse=False):
+def attend_rows(q, k, v, lens=None, lse=False):
     """Decode attention of q (B, H_kv, M, D), the M = G query heads of each KV head (or more: the
     rows of a group over their shared prompt), over K, V (B, H_kv, T, D) with any strides, e.g. a
-    strided view of a cache whose rows are contiguous runs (no gather). mask: None (every key) or
-    length_mask(...); each row must read a key. Returns out (B, H_kv, M, D) in q's dtype, and with
-    lse=True also the log-sum-exp of each query's scaled scores (B, H_kv, M), for merge_attention
-    (the CPU flash kernel hands it back)."""
+    strided view of a cache whose rows are contiguous runs (no gather); row b reads its first
+    lens[b] keys (None: all T; each row must read a key). Returns out (B, H_kv, M, D) in q's dtype,
+    and with lse=True also the log-sum-exp of each query's scaled scores (B, H_kv, M), for
+    merge_attention. On a CPU the C++ kernel reads the runs in one pass (attend_runs_cpu); SDPA's
+    CPU flash kernel, with a length mask, where it cannot."""
+    fast = attend_runs_cpu(q, k, v, lens) if not q.is_cuda else None
+    if fast is not None:
+        out = fast[0].to(q.dtype)
+        return (out, fast[1]) if lse else out
+    mask = None if lens is None else length_mask(lens, k.shape[2], q.dtype)
     if not lse:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
@@ -458,11 +464,11 @@ def merge_attention(o1, lse1, o2, lse2):
     return torch.lerp(o2.float(), o1.float(), w1).to(o1.dtype)
 
 
-def prefix_index(slot_of, slot_lens, dtype, device):
+def prefix_index(slot_of, slot_lens, device):
     """How shared_prefix_decode lays out the rows that share a prompt. slot_of[j]: row j's prefix
     slot, or -1; slot_lens[s]: the prompt's tokens in slot s. None when no row has one, else (n,
-    mask, q_idx, slot, member, lone): n = max(slot_lens); mask = length_mask of the slots (None if
-    all equal); q_idx (S * R,) the row whose query is member i of slot s, at s * R + i (R: the
+    lens, q_idx, slot, member, lone): n = max(slot_lens); lens = the slots' lengths (None if all
+    equal); q_idx (S * R,) the row whose query is member i of slot s, at s * R + i (R: the
     most rows of a slot; padding repeats row 0, its output unread); slot, member (B,) where row j's
     output is; lone (B, 1, 1) True where a row has no prompt (None: none)."""
     S, B = len(slot_lens), len(slot_of)
@@ -476,23 +482,23 @@ def prefix_index(slot_of, slot_lens, dtype, device):
         return None
     t = lambda x: torch.tensor(x, device=device)
     n, lone = max(slot_lens), [s < 0 for s in slot_of]
-    return (n, length_mask(t(slot_lens), n, dtype) if len(set(slot_lens)) > 1 else None,
+    return (n, t(slot_lens) if len(set(slot_lens)) > 1 else None,
             t([(js + [0] * R)[:R] for js in members]).view(-1), t([max(s, 0) for s in slot_of]),
             t(member), t(lone)[:, None, None] if any(lone) else None)
 
 
-def shared_prefix_decode(q, k, v, mask, k_pre, v_pre, pre):
-    """Dense decode of q (B, H_kv, G, D) over each row's own keys k, v (B, H_kv, T, D) (mask: see
+def shared_prefix_decode(q, k, v, lens, k_pre, v_pre, pre):
+    """Dense decode of q (B, H_kv, G, D) over each row's own keys k, v (B, H_kv, T, D) (lens: see
     attend_rows) and over the prompt it shares with its group, stored once per prefix slot: k_pre,
     v_pre (S, H_kv, n, D). Each slot's prompt is read once, its rows' queries side by side (pre =
     prefix_index(...)); the two parts merge by log-sum-exp. -> (B, H_kv, G, D)"""
-    _, pre_mask, q_idx, slot, member, lone = pre
+    _, pre_lens, q_idx, slot, member, lone = pre
     B, H, G, D = q.shape
     S = k_pre.shape[0]
-    y, lse = attend_rows(q, k, v, mask, lse=True)
+    y, lse = attend_rows(q, k, v, lens, lse=True)
     # (S, Hkv, R * G, D): the queries of each slot's rows, one copy
     qp = q.transpose(0, 1).index_select(1, q_idx).view(H, S, -1, D).transpose(0, 1)
-    yp, lp = attend_rows(qp, k_pre, v_pre, pre_mask, lse=True)
+    yp, lp = attend_rows(qp, k_pre, v_pre, pre_lens, lse=True)
     R = q_idx.numel() // S
     yp, lp = yp.unflatten(2, (R, G))[slot, :, member], lp.unflatten(2, (R, G))[slot, :, member]
     if lone is not None:  # rows without a shared prompt: their own part alone

@@ -5,16 +5,20 @@ reference (same contract: q (B, H_q, D), a paged cache, page tables, the selecte
     ext = cpu_kernel()               # the C++ kernel of sparse_decode_cpu.cpp, or None
     sel, n_sel = select_pages_cpu(q, [kmean], table, n_pages, n_full, n_read)   # the engine's
     out = sparse_decode_cpu(q, k_cache, v_cache, table, seq_lens, sel, n_sel)   # selection, read
+    out, lse = attend_runs_cpu(q4, k, v, lens)   # dense decode over contiguous runs (lanes)
 
 What it does:
-    1. cpu_kernel builds sparse_decode_cpu.cpp with torch.utils.cpp_extension on first use (about
-       a minute; torch caches the build, named by the CPU's instruction set). ZEROS_CPU_KERNEL=0,
-       or no C++ compiler or ninja: None, and a warning.
+    1. cpu_kernel builds sparse_decode_cpu.cpp on first use (kernels/cpu_ext.py: about a minute;
+       torch caches the build, named by the CPU's instruction set). ZEROS_CPU_KERNEL=0, or no C++
+       compiler or ninja: None, and a warning.
     2. select_pages_cpu: sparsity.select_pages over centroid or Quest scores, the page metadata
        read in place through the page tables, in one call.
     3. sparse_decode_cpu: attention over the selected pages, read in place in a head-major cache
        (page_rows views it). Without the kernel: whole pages gathered a chunk of rows at a time,
        then SDPA.
+    4. attend_runs_cpu: dense decode over each row's keys where they lie, contiguous per (row,
+       KV head) (the engine's lanes), in one pass with a running softmax; None where the kernel
+       has no instance for the shape (the caller runs SDPA).
 
 Simplifications:
     1. The gather path reads the unread tail of a partial page, so the cache must hold finite
@@ -22,41 +26,21 @@ Simplifications:
     2. Ties between equal page scores may break another way than sparsity.select_pages'.
 """
 
-import functools
-import os
-import warnings
-
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_ext import load_cpu_ext
 
 
 # Without the C++ kernel, the CPU fast path gathers the selected pages of a chunk of rows at a
 # time into buffers of at most this many bytes (K and V together), which SDPA then reads back from
 # the core's cache rather than from memory.
 SPARSE_CHUNK_BYTES = 1 << 19
-# the instruction set the C++ kernel is built for, by what torch found on this CPU (a name each,
-# so that a build cached for one CPU is never loaded on another)
-_MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_kernel():
-    """The C++ kernel of sparse_decode_cpu.cpp, built on first use (about a minute; torch caches
-    the build) or None: ZEROS_CPU_KERNEL=0, or no C++ compiler (a warning says why)."""
-    if os.environ.get("ZEROS_CPU_KERNEL", "1") == "0":
-        return None
-    isa = torch.backends.cpu.get_cpu_capability()
-    # -ffast-math lets the loops vectorize (reductions reassociated); it is not passed to the link,
-    # so it does not switch the process to flushing denormals
-    flags = ["-O3", "-ffast-math", "-fopenmp-simd"] + ([f"-march={_MARCH[isa]}"] if isa in _MARCH
-                                                        else [])
-    try:
-        from torch.utils.cpp_extension import load  # lazy: it pulls in the build tooling
-        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sparse_decode_cpu.cpp")
-        return load(f"zeros_sparse_decode_{isa.lower()}", [src], extra_cflags=flags)
-    except Exception as e:  # no compiler or no ninja: the PyTorch path instead
-        warnings.warn(f"the CPU sparse decode kernel did not build ({e}); using the gather path")
-        return None
+    """The C++ kernel of sparse_decode_cpu.cpp, built on first use (kernels/cpu_ext.py), or None."""
+    return load_cpu_ext("sparse_decode_cpu")
 
 
 def select_pages_cpu(q, meta, page_table, n_pages, n_full, n_read, keep_first=1, keep_recent=2,
@@ -133,3 +117,20 @@ def sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, sca
     # nothing valid (an empty row or selection): 0
     out = torch.where(ok.any(-1, keepdim=True), out, 0.0)
     return out.view(B, H_q, D).to(q.dtype)
+
+
+def attend_runs_cpu(q, k, v, lens=None, scale=None):
+    """Dense decode attention of q (B, H_kv, M, D), the M queries of each KV head, over K, V
+    (B, H_kv, T, D) views whose tokens are contiguous (any row and head strides: the engine's
+    lanes, read in place), the first lens[b] keys of row b (None: all T), in the C++ kernel.
+    -> (out (B, H_kv, M, D) float32, lse (B, H_kv, M) float32), a row with no key giving zeros and
+    -inf; None without the kernel or where it has no instance (M not in 1, 2, 3, 4, 8, or D not
+    in 32, 64, 128): the caller runs SDPA."""
+    ext = cpu_kernel()
+    D = q.shape[-1]
+    if (ext is None or q.is_cuda or any(t.stride(-1) != 1 or t.stride(-2) != D for t in (k, v))
+            or k.dtype != v.dtype):
+        return None
+    lens = None if lens is None else lens.int().contiguous()
+    res = ext.attend_runs(q.float().contiguous(), k, v, lens, D ** -0.5 if scale is None else scale)
+    return tuple(res) if res else None

@@ -354,25 +354,28 @@ def test_head_major_cache_reads_the_same(sparse):
                      torch.float32)
 
 
-def test_attend_rows_over_views_and_merged_by_lse():
-    """attend_rows on strided views with per-row lengths equals SDPA on the cut copies, and its
-    log-sum-exp is the scores'; attention over two disjoint key sets, merged by log-sum-exp,
-    equals attention over both; a side with lse -inf merges as if absent."""
+@pytest.mark.parametrize("path", ["cpp", "sdpa"])
+def test_attend_rows_over_views_and_merged_by_lse(path, monkeypatch):
+    """attend_rows on strided views with per-row lengths (the C++ kernel, and SDPA with a length
+    mask) equals SDPA on the cut copies, and its log-sum-exp is the scores'; attention over two
+    disjoint key sets, merged by log-sum-exp, equals attention over both; a side with lse -inf
+    merges as if absent."""
+    if path == "sdpa":
+        monkeypatch.setattr(bsd, "attend_runs_cpu", lambda *a, **kw: None)
     gen = torch.Generator().manual_seed(3)
     B, H, M, D, T = 3, 2, 4, 32, 24
-    pool = torch.randn(H, B, T + 5, D, generator=gen)  # head-major rows with spare slots
-    k, v = pool[:, :, :T].transpose(0, 1), pool.flip(-1)[:, :, :T].transpose(0, 1)
+    # head-major rows with spare slots: (B, H, T, D) views, tokens contiguous, rows and heads not
+    k, v = (torch.randn(H, B, T + 5, D, generator=gen)[:, :, :T].transpose(0, 1) for _ in "kv")
     q = torch.randn(B, H, M, D, generator=gen)
     lens = torch.tensor([24, 9, 1])
-    mask = bsd.length_mask(lens, T, q.dtype)
-    out, lse = bsd.attend_rows(q, k, v, mask, lse=True)
+    out, lse = bsd.attend_rows(q, k, v, lens, lse=True)
     for b in range(B):
         n = int(lens[b])
         want = F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
         assert (out[b] - want[0]).abs().max() <= 1e-5
         s = (q[b] @ k[b, :, :n].transpose(-1, -2)) * D ** -0.5
         assert (lse[b] - torch.logsumexp(s, -1)).abs().max() <= 1e-5
-    assert (bsd.attend_rows(q, k, v, mask) - out).abs().max() <= 1e-6  # without the lse
+    assert (bsd.attend_rows(q, k, v, lens) - out).abs().max() <= 1e-6  # without the lse
     # the 24 keys split at 10: the two halves merged = the whole
     a, la = bsd.attend_rows(q, k[:, :, :10], v[:, :, :10], None, lse=True)
     b_, lb = bsd.attend_rows(q, k[:, :, 10:], v[:, :, 10:], None, lse=True)
@@ -393,16 +396,16 @@ def test_shared_prefix_decode_equals_attention_over_prefix_and_own_keys():
     lens = torch.tensor([7, 3, 5, 1, 2])
     kp, vp = torch.randn(2, H, 6, D, generator=gen), torch.randn(2, H, 6, D, generator=gen)
     slot_of = [0, 0, -1, 0, 1]
-    pre = bsd.prefix_index(slot_of, [6, 4], q.dtype, "cpu")
+    pre = bsd.prefix_index(slot_of, [6, 4], "cpu")
     assert pre[0] == 6 and pre[2].numel() == 2 * 3  # two slots of up to three rows
-    got = bsd.shared_prefix_decode(q, k, v, bsd.length_mask(lens, 7, q.dtype), kp, vp, pre)
+    got = bsd.shared_prefix_decode(q, k, v, lens, kp, vp, pre)
     for b in range(B):
         s, m = slot_of[b], int(lens[b])
         keys = [kp[s, :, :[6, 4][s]]] * (s >= 0) + [k[b, :, :m]]
         vals = [vp[s, :, :[6, 4][s]]] * (s >= 0) + [v[b, :, :m]]
         want = F.scaled_dot_product_attention(q[b], torch.cat(keys, 1), torch.cat(vals, 1))
         assert (got[b] - want).abs().max() <= 1e-5, b
-    assert bsd.prefix_index([-1, -1], [6], q.dtype, "cpu") is None
+    assert bsd.prefix_index([-1, -1], [6], "cpu") is None
 
 
 # -----------------------------------------------------------------------------
@@ -442,3 +445,35 @@ def test_cpu_sparse_path_chunks_rows(monkeypatch):
     monkeypatch.setattr(cpu_path, "SPARSE_CHUNK_BYTES", 1)
     assert torch.allclose(cpu_path.sparse_decode_cpu(**hm, kernel=False), whole, atol=1e-6, rtol=0)
     assert_close(whole, block_sparse_decode_ref(**case), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,D", [(1, 64), (2, 32), (3, 64), (4, 128), (8, 64), (5, 64), (3, 48)])
+def test_cpu_dense_runs_kernel_equals_sdpa(M, D, dtype):
+    """The C++ dense decode over contiguous runs (the engine's lanes, attend_runs_cpu) equals SDPA
+    on the cut copies, with its log-sum-exp, over lengths that cross its blocks of 32 keys, a row
+    with no key (zeros, lse -inf), and a cache in bf16; shapes it has no instance for (M = 5,
+    D = 48) give None."""
+    if cpu_path.cpu_kernel() is None:
+        pytest.skip("no C++ kernel here")
+    gen = torch.Generator().manual_seed(M * D)
+    B, H, T = 4, 2, 70
+    k, v = (torch.randn(H, B, T + 3, D, generator=gen).to(dtype)[:, :, :T].transpose(0, 1)
+            for _ in "kv")
+    q = torch.randn(B, H, M, D, generator=gen)
+    lens = torch.tensor([70, 33, 1, 0])
+    got = cpu_path.attend_runs_cpu(q, k, v, lens)
+    if M == 5 or D == 48:
+        assert got is None
+        return
+    out, lse = got
+    for b in range(3):
+        n = int(lens[b])
+        kb, vb = k[b, :, :n].float(), v[b, :, :n].float()
+        want = F.scaled_dot_product_attention(q[b], kb, vb)
+        assert (out[b] - want).abs().max() <= 2e-5, b
+        s = (q[b] @ kb.transpose(-1, -2)) * D ** -0.5
+        assert (lse[b] - torch.logsumexp(s, -1)).abs().max() <= 2e-5, b
+    assert (out[3] == 0).all() and torch.isinf(lse[3]).all() and (lse[3] < 0).all()
+    whole, _ = cpu_path.attend_runs_cpu(q, k, v)  # lens None: all T keys
+    assert (whole - F.scaled_dot_product_attention(q, k.float(), v.float())).abs().max() <= 2e-5

@@ -18,7 +18,7 @@ ORDER = ["train", "calibrate", "roi", "report", "warmstart", "parallel", "checkp
          "update", "copies", "sync", "rollout", "kernels.block_sparse_decode",
          "kernels.sparse_decode_cpu", "sparsity",
          "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers",
-         "model", "moe", "config"]
+         "model", "moe", "kernels.linear_cpu", "kernels.cpu_ext", "config"]
 CORE_MAX_LINES = 650
 FUNCTION_MAX_LINES = 80
 # the Triton kernel: one body, as the compiler wants it

@@ -1,9 +1,12 @@
 """Our model against transformers' implementation, on the same weights, in both directions."""
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           AutoModelForCausalLM)
 
+from kernels.cpu_ext import load_cpu_ext
+from kernels.linear_cpu import linear_cpu, linear_cpu_pack
 from model import Transformer, ModelConfig
 
 COMMON = dict(vocab_size=61, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -90,17 +93,23 @@ def test_unsupported_model_type_is_named():
         ModelConfig.from_hf({"model_type": "llama"})
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_packed_weights_match_the_modules(kind, monkeypatch):
-    """Inside Transformer.packed() (the engine's CPU path: q|k|v and gate|up as one oneDNN matmul
-    each) the forward equals the plain one; the copies go on exit, and a weight changed between two
-    calls is read fresh. Groups with a LoRA layer keep the modules' forwards, the rest is packed."""
+@pytest.mark.parametrize("kind,shape", [("dense", (3, 11)), ("moe", (3, 11)), ("dense", (8, 1)),
+                                        ("moe", (3, 2))])
+def test_packed_weights_match_the_modules(kind, shape, monkeypatch):
+    """Inside Transformer.packed() (the engine's CPU path: q|k|v and gate|up as one matmul each, on
+    oneDNN, or kernels/linear_cpu at 8 rows or fewer) the forward equals the plain one; the copies
+    go on exit, and a weight changed between two calls is read fresh. Groups with a LoRA layer keep
+    the modules' forwards, the rest is packed."""
+    import model as model_module
     from model import add_lora
     monkeypatch.setattr(Transformer, "PACK_MIN_HIDDEN", 0)  # this model is narrow
+    small = []  # the rows of each call that took the C++ kernel
+    monkeypatch.setattr(model_module, "linear_cpu", lambda x, w, n: small.append(x.shape[:-1])
+                        or linear_cpu(x, w, n))
     ref = hf_model(kind, tie=False)
     ours = Transformer(ModelConfig.from_hf(ref.config.to_dict())).eval()
     ours.load_state_dict(ref.state_dict(), strict=False)
-    idx = torch.randint(0, COMMON["vocab_size"], (3, 11))
+    idx = torch.randint(0, COMMON["vocab_size"], shape)
     with torch.no_grad():
         want = ours(idx)
         with ours.packed():
@@ -120,3 +129,22 @@ def test_packed_weights_match_the_modules(kind, monkeypatch):
             attn = ours.model.layers[0].self_attn
             assert set(attn.packs) == {"o"}  # q_proj is adapted: q|k|v runs module by module
             assert (ours(idx) - want).abs().max().item() <= 1e-5
+    # the small path ran only on batches of at most 8 rows (an MoE expert's few tokens too), and
+    # ran wherever the kernel is and the batch is small
+    assert all(s.numel() <= 8 for s in small)
+    assert bool(small) == (load_cpu_ext("linear_cpu") is not None
+                           and (idx.numel() <= 8 or kind == "moe"))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_linear_cpu_equals_f_linear(rows):
+    """kernels/linear_cpu (a small decode batch's matmuls) equals F.linear: N not a multiple of its
+    32-column blocks (zero padding cut off), K odd, x a strided view, leading dims kept."""
+    if load_cpu_ext("linear_cpu") is None:
+        pytest.skip("no C++ kernel here")
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(100, 37, generator=gen)
+    x = torch.randn(rows, 1, 2 * 37, generator=gen)[..., ::2]  # (rows, 1, 37), stride 2
+    got = linear_cpu(x, linear_cpu_pack(w), 100)
+    assert got.shape == (rows, 1, 100)
+    assert (got - F.linear(x, w)).abs().max().item() <= 1e-5

@@ -1,0 +1,40 @@
+"""
+kernels/cpu_ext.py: how the C++ CPU kernels of kernels/ are built (torch.utils.cpp_extension, on
+first use, cached by torch), and how to do without them.
+
+    ext = load_cpu_ext("sparse_decode_cpu")   # kernels/sparse_decode_cpu.cpp, built, or None
+
+Each kernel is a fast path with a PyTorch reference beside it (tests check that the two agree), so
+a machine without a C++ compiler or ninja runs the reference and says so once, in a warning.
+ZEROS_CPU_KERNEL=0 turns every C++ kernel off.
+"""
+
+import functools
+import os
+import warnings
+
+import torch
+
+# the instruction set a kernel is built for, by what torch found on this CPU (a name each, so that
+# a build cached for one CPU is never loaded on another)
+_MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
+
+
+@functools.lru_cache(maxsize=None)
+def load_cpu_ext(name):
+    """kernels/<name>.cpp built as a torch extension (about a minute the first time; torch caches
+    the build), or None: ZEROS_CPU_KERNEL=0, or no C++ compiler or ninja (a warning says why)."""
+    if os.environ.get("ZEROS_CPU_KERNEL", "1") == "0":
+        return None
+    isa = torch.backends.cpu.get_cpu_capability()
+    # -ffast-math lets the loops vectorize (reductions reassociated); it is not passed to the link,
+    # so it does not switch the process to flushing denormals
+    flags = ["-O3", "-ffast-math", "-fopenmp-simd"] + ([f"-march={_MARCH[isa]}"] if isa in _MARCH
+                                                        else [])
+    try:
+        from torch.utils.cpp_extension import load  # lazy: it pulls in the build tooling
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.cpp")
+        return load(f"zeros_{name}_{isa.lower()}", [src], extra_cflags=flags)
+    except Exception as e:  # no compiler or no ninja: the PyTorch path instead
+        warnings.warn(f"the C++ kernel {name} did not build ({e}); using the PyTorch path")
+        return None
