@@ -131,6 +131,10 @@ class Config:
     passes: int = 1  # optimizer passes over each batch
     minibatches: int = 1  # optimizer steps per pass
     micro_batch: int = 8  # sequences per forward/backward
+    # the training forwards run a prompt that a group's rows share once (update.PromptOnce; dense
+    # models, unpacked, not under FSDP), its keys and values shared by the rows; false: each row
+    # runs its prompt
+    share_prompt: bool = True
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0

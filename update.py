@@ -28,6 +28,11 @@ Simplifications:
     4. The learning rate warms up linearly, then follows a cosine down to min_lr_ratio * lr.
     5. Unpacked, a micro-batch takes rows of about one length (the batch's rows sorted by length)
        and runs only up to its longest row; what is left is the padding within a micro-batch.
+    6. share_prompt (on by default; dense models, unpacked): a micro-batch runs each distinct prompt
+       once and then its rows' own tokens over the prompt's keys and values (PromptOnce), so a
+       group of G rows computes its prompt once instead of G times; the gradients through the
+       shared keys and values sum over the rows, as they would over G copies. A LoRA dropout mask
+       on the prompt is then shared by the group's rows.
 """
 
 import math
@@ -126,17 +131,82 @@ def build_batch(prompts, completions, masks, pad_id):
     return ids, tmask
 
 
+class PromptOnce:
+    """A training forward's KV "cache" (the engine's protocol: positions, attend, advance) that runs
+    a prompt shared by several rows once: first the distinct prompts (U, P), keeping each layer's
+    keys and values with their gradients, then every row's own tokens (B, S), which attend to their
+    prompt's first lens[rows] keys and causally to their own. rows (B,): each row's prompt."""
+
+    def __init__(self, rows, lens):
+        self.rows, self.lens, self.kv, self.own = rows, lens, {}, False
+
+    def positions(self, T):
+        start = self.lens[self.rows][:, None] if self.own else self.lens[:, None] * 0
+        return start + torch.arange(T, device=self.lens.device)
+
+    def attend(self, layer, q, k, v):
+        if not self.own:  # the prompts, right-padded: causal attention never sees the pads
+            self.kv[layer] = (k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        kp, vp = self.kv[layer]
+        B, T, P, dev = q.shape[0], q.shape[2], kp.shape[2], q.device
+        seen = torch.arange(P, device=dev) < self.lens[self.rows][:, None]  # (B, P)
+        mask = torch.cat([seen[:, None].expand(B, T, P),
+                          torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)],
+                         -1)[:, None]  # (B, 1, T, P + T)
+        return F.scaled_dot_product_attention(q, torch.cat([kp[self.rows], k], 2),
+                                              torch.cat([vp[self.rows], v], 2), attn_mask=mask,
+                                              enable_gqa=True)
+
+    def advance(self, T):
+        self.own = True  # the prompts are in: the rows' own tokens come next
+
+
+def split_prompts(ids, tmask, lens):
+    """Rows as (distinct prompts, each row's own tokens), for PromptOnce: a row's prompt is its
+    tokens before the last one ahead of its first target (that one is scored, so it goes with the
+    row). -> None where no two rows share a prompt, else (prompt ids (U, P), their lengths (U,),
+    each row's prompt (B,), own ids (B, S), own target mask (B, S), own targets (B, S))."""
+    B, T = ids.shape
+    first = tmask.int().argmax(1)  # the first target position = prompt length - 1
+    keys = [tuple(ids[i, :first[i]].tolist()) for i in range(B)]
+    distinct = list(dict.fromkeys(keys))
+    if len(distinct) == B or min(map(len, distinct)) == 0:
+        return None
+    which = {key: u for u, key in enumerate(distinct)}
+    plens = torch.tensor([len(key) for key in distinct], device=ids.device)
+    prompts = torch.zeros(len(distinct), int(plens.max()), dtype=ids.dtype, device=ids.device)
+    for u, key in enumerate(distinct):
+        prompts[u, :len(key)] = torch.tensor(key, dtype=ids.dtype)
+    S = int((lens - first).max())
+    at = first[:, None] + torch.arange(S, device=ids.device)  # (B, S) positions in the rows
+    inside = at < lens[:, None]
+    at = at.clamp(max=T - 1)
+    targets = torch.roll(ids, -1, 1).gather(1, at)
+    rows = torch.tensor([which[key] for key in keys], device=ids.device)
+    return prompts, plens, rows, ids.gather(1, at), tmask.gather(1, at) & inside, targets
+
+
 def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False, routes=None,
-                   aux=None):
+                   aux=None, share_prompt=False):
     """Log-prob of every target token: returns (B, T) with values where tmask is set (0 elsewhere).
     `packed` concatenates the rows without padding and attends within each (flash-attn varlen on
-    CUDA). `full` also returns the whole log-softmax at the target positions, (M, V) in the order of
+    CUDA). `share_prompt` runs a prompt that rows share once (PromptOnce; dense models, unpacked).
+    `full` also returns the whole log-softmax at the target positions, (M, V) in the order of
     ids[tmask]. `routes` (B, T, MoE layers, k): the rollout's experts, replayed; `aux`: a list that
     gets each MoE layer's load-balancing loss (moe.replaying)."""
     B, T = ids.shape
     targets = torch.roll(ids, -1, 1)
     lens = (tmask.flip(1).cumsum(1).flip(1) > 0).sum(1) + 1  # row length = last target + 2
-    if packed:
+    split = (split_prompts(ids, tmask, lens) if share_prompt and B > 1 and not packed
+             and not model.config.num_experts else None)
+    if split is not None:  # each distinct prompt once, then the rows' own tokens
+        prompts, plens, rows, own, own_mask, own_targets = split
+        cache = PromptOnce(rows, plens)
+        model(prompts, cache=cache, hidden=True)
+        h = model(own, cache=cache, hidden=True)  # (B, S, C)
+        h_sel, tgt = h[own_mask], own_targets[own_mask]
+    elif packed:
         flat = torch.cat([ids[i, :lens[i]] for i in range(B)])[None]
         pos = torch.cat([torch.arange(int(n), device=ids.device) for n in lens])[None]
         cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
@@ -264,7 +334,7 @@ def reference_logprobs(cfg, model, ids, tmask, packed, full=False, routes=None):
     before its first update, or the reference policy's. `full` also returns the whole log-softmax at
     the target positions (DistillSparse trains toward it). `routes`: replayed MoE experts."""
     parts = [token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed, full,
-                            None if routes is None else routes[r])
+                            None if routes is None else routes[r], share_prompt=shares_prompt(cfg))
              for r in torch.arange(ids.shape[0]).split(cfg.micro_batch)]
     if not full:
         return torch.cat(parts) if parts else torch.zeros(0, ids.shape[1], device=ids.device)
@@ -308,7 +378,8 @@ def old_logprobs(cfg, model, ids, tmask, packed, chunks, single, dense_dist, rou
     with torch.no_grad():  # every rank runs as many forwards (chunks, in any order of rows)
         for r in chunks(torch.arange(ids.shape[0])):
             old[r] = token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed,
-                                    routes=None if routes is None else routes[r])
+                                    routes=None if routes is None else routes[r],
+                                    share_prompt=shares_prompt(cfg))
     return old, None
 
 
@@ -321,6 +392,25 @@ def balance_penalty(cfg, aux, tokens, log):
     aux = torch.stack(aux).mean()
     log.append(aux.item())
     return cfg.moe_aux_coef * aux * tokens
+
+
+def shares_prompt(cfg):
+    """Whether the training forwards run a shared prompt once (token_logprobs' share_prompt): not
+    under FSDP, where every rank must run as many forwards (each one all-gathers the weights) and a
+    micro-batch whose rows share a prompt runs two."""
+    return cfg.share_prompt and not cfg.fsdp
+
+
+def row_order(cfg, tmask):
+    """The key that orders a batch's rows into micro-batches: by length, so that each micro-batch
+    is about as long as its rows (token_logprobs trims the pads past its longest); with
+    share_prompt a group's rows (G in a row) stay together, sorted by the group's longest, so that
+    its prompt runs once. The loss is a sum over tokens, whatever their order."""
+    key, (N, G) = tmask.flip(1).cumsum(1).flip(1).gt(0).sum(1), (tmask.shape[0], cfg.group_size)
+    if shares_prompt(cfg) and N % G == 0:  # the group's longest, then the group
+        group = torch.arange(N, device=tmask.device) // G
+        key = key.view(-1, G).amax(1).repeat_interleave(G) * N + group
+    return key
 
 
 def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=None, ref_model=None,
@@ -342,10 +432,8 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
     packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda
                                   and flash_attn_varlen_func is not None)
     N = ids.shape[0]
-    # rows sorted by length, so that each micro-batch is about as long as its rows (token_logprobs
-    # trims the pads past its longest); the loss is a sum over tokens, whatever their order
-    lens = tmask.flip(1).cumsum(1).flip(1).gt(0).sum(1)
-    chunks = lambda rows: micro_batches(rows[lens[rows].argsort(stable=True)], cfg.micro_batch,
+    key = row_order(cfg, tmask)
+    chunks = lambda rows: micro_batches(rows[key[rows].argsort(stable=True)], cfg.micro_batch,
                                         cfg.fsdp, ids.device)
     # router replay (MoE): the rollout's experts in logp_old's pass; "update": in training too
     r_new = routes if cfg.router_replay == "update" else None
@@ -370,7 +458,8 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
             for micro in chunks(torch.arange(k, N, cfg.minibatches)):
                 aux = [] if cfg.moe_aux_coef > 0 else None  # MoE: the load-balancing loss
                 lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed,
-                                    routes=None if r_new is None else r_new[micro], aux=aux)
+                                    routes=None if r_new is None else r_new[micro], aux=aux,
+                                    share_prompt=shares_prompt(cfg))
                 if single:
                     old[micro] = lp.detach()
                 w = weights(old[micro], micro)[0] if single else is_w[micro]

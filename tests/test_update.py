@@ -146,3 +146,57 @@ def test_one_optimizer_step_skips_the_old_logprob_pass_and_updates_the_same(monk
     one, two = after["one pass"], after["with the old pass"]
     assert all(torch.allclose(one[1][k], two[1][k], atol=1e-6) for k in one[1])  # the same update
     assert one[2] == pytest.approx(two[2], abs=1e-6) and one[3] == pytest.approx(two[3], rel=1e-5)
+
+
+def grouped_batch(seed=2):
+    """3 groups of 4 rows: each group's prompt (5, 8 and 2 tokens), then completions of 1 to 8
+    tokens, right-padded; the rows of a group in a row, as batch_from_groups lays them out."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, tmask = torch.zeros(12, 18, dtype=torch.long), torch.zeros(12, 18, dtype=torch.bool)
+    for g, n in enumerate([5, 8, 2]):
+        prompt = torch.randint(1, 20, (n,), generator=gen)
+        for i in range(4 * g, 4 * g + 4):
+            c = int(torch.randint(1, 9, (), generator=gen))
+            ids[i, :n], ids[i, n:n + c] = prompt, torch.randint(1, 20, (c,), generator=gen)
+            tmask[i, n - 1:n + c - 1] = True
+    return ids, tmask, torch.randn(12, generator=gen)
+
+
+def test_a_shared_prompt_run_once_gives_the_same_logprobs_and_gradients():
+    """token_logprobs with share_prompt (each distinct prompt once, PromptOnce) equals the forward
+    that runs every row's prompt, log-probs and gradients alike, rows in any order; rows that share
+    no prompt take the plain path."""
+    ids, tmask, _ = grouped_batch()
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    ids, tmask = ids[perm], tmask[perm]
+    got = {}
+    for share in (False, True):
+        m = tiny()
+        lp = update.token_logprobs(m, ids, tmask, share_prompt=share)
+        (lp * torch.arange(1.0, 19.0)).sum().backward()
+        got[share] = lp, [p.grad for p in m.parameters()]
+    assert (got[True][0] - got[False][0]).abs().max() <= 1e-5
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*(got[s][1]
+                                                                           for s in (True, False))))
+    ids, tmask, _ = grouped_batch()
+    one_each = [0, 4, 8]  # a row of each group: no prompt shared
+    lens = (tmask.flip(1).cumsum(1).flip(1) > 0).sum(1) + 1
+    assert update.split_prompts(ids[one_each], tmask[one_each], lens[one_each]) is None
+    prompts, plens, rows = update.split_prompts(ids, tmask, lens)[:3]
+    assert plens.tolist() == [4, 7, 1] and rows.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def test_share_prompt_trains_the_same_step():
+    """train_on with share_prompt (whole groups per micro-batch) takes the same optimizer step as
+    without it."""
+    ids, tmask, adv = grouped_batch()
+    after = {}
+    for share in (False, True):
+        m = tiny()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        cfg = config.Config(micro_batch=8, group_size=4, share_prompt=share)
+        out = update.train_on(cfg, m, opt, ids, tmask, adv, world=1)
+        after[share] = m.state_dict(), out["stats"][0].item()
+    assert all(torch.allclose(after[True][0][k], after[False][0][k], atol=1e-6)
+               for k in after[True][0])
+    assert after[True][1] == pytest.approx(after[False][1], rel=1e-5)
