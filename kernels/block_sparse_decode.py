@@ -335,9 +335,10 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, sel=None, n_sel=
     if use_triton:
         return block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale,
                                    num_splits)
-    if finite and page_rows(k_cache) is not None and page_rows(v_cache) is not None:
-        return sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
-    return block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
+    # a head-major cache (page_rows views it): the CPU fast path; else None, and the reference
+    out = (sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
+           if finite else None)
+    return out if out is not None else block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
 
 
 # -----------------------------------------------------------------------------

@@ -6,10 +6,12 @@
 // follows. This kernel reads each selected page where it lies in the pool, once for K and once
 // for V, as the Triton kernel does on a GPU.
 //
-// One (row, KV head) at a time, in two passes over its selected pages: the scaled scores of every
-// selected token for the G query heads of the group (a buffer that stays in the core's cache),
-// then softmax over them, then P @ V. The first pass prefetches the K and V pages a few ahead
-// into L2: a selection jumps around the pool, and the hardware prefetcher only follows runs.
+// One (row, KV head) at a time, in one pass over its selected pages with a running softmax
+// (`Online`: a block of keys scored, then their values read; the group's G queries and outputs
+// held in vector registers, G and the head dim being template constants), prefetching the K and
+// V pages a few ahead into L2: a selection jumps around the pool, and the hardware prefetcher
+// only follows runs. Shapes without an instance take a two-pass loop (`attend`): every score into
+// a buffer, softmax, then P @ V.
 //
 // The contract is the Python one (block_sparse_decode.py's docstring), with the cache seen as
 // (rows, P * D) pages of one KV head each (float32, bf16 or fp16) and the queries as float32
@@ -17,16 +19,15 @@
 // loops see no inf or NaN (the running max starts finite, and a cache holds finite values).
 //
 // `attend_runs` is dense decode where each (row, KV head)'s keys are one contiguous run (the
-// engine's lanes): one pass with a running softmax, a block of 32 keys scored then their values
-// read, the group's queries and outputs held in vector registers (M and D are template
-// constants). SDPA's CPU flash kernel, built for many queries, reaches about a third of its speed
-// on the one query a row of decode has.
+// engine's lanes), through the same `Online` pass. SDPA's CPU flash kernel, built for many
+// queries, reaches about a third of its speed on the one query a row of decode has.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -72,6 +73,170 @@ struct Pages {  // the selection of one (row, KV head), read through the row's p
   // its row in a (rows, P * D) view with row strides s (page) and h (head)
   int64_t row(int64_t j, int64_t s, int64_t h) const { return table[sel[j]] * s + head * h; }
 };
+
+// GCC/Clang vector of 16 floats: one AVX-512 register (two AVX2 ones)
+typedef float vec16 __attribute__((vector_size(64)));
+
+template <typename T>
+inline vec16 load16(const T* p) {
+  vec16 r;
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
+  return r;
+}
+template <>
+inline vec16 load16<float>(const float* p) {
+  vec16 r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+inline float hsum(vec16 a) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += a[i];
+  return s;
+}
+
+constexpr int64_t kBlock = 32;  // keys scored before their values are read (fits in L1)
+
+// The one-pass attention of M queries (flash-decoding's running softmax): blocks of at most kBlock
+// contiguous keys and values go in (`add`), the output and log-sum-exp come out (`finish`). The M
+// queries and M running outputs stay in vector registers (M and D are template constants).
+template <typename T, int M, int D>
+struct Online {
+  static constexpr int C = D / 16;
+  vec16 qv[M][C], acc[M][C];
+  float mx[M], sum[M], s[M][kBlock];
+
+  Online(const float* q, float scale) {
+    for (int g = 0; g < M; ++g) {
+      for (int c = 0; c < C; ++c) {
+        qv[g][c] = load16(q + g * D + c * 16) * scale;
+        acc[g][c] = vec16{};
+      }
+      mx[g] = -3.0e38f;
+      sum[g] = 0.f;
+    }
+  }
+
+  // the scores of n keys (token stride D) into the block's slots at .. at + n - 1 (<= kBlock)
+  void score(const T* k, int64_t at, int64_t n) {
+    for (int64_t t = 0; t < n; ++t) {
+      vec16 kc[C];
+      for (int c = 0; c < C; ++c) kc[c] = load16(k + t * D + c * 16);
+      for (int g = 0; g < M; ++g) {
+        vec16 a = qv[g][0] * kc[0];
+        for (int c = 1; c < C; ++c) a += qv[g][c] * kc[c];
+        s[g][at + t] = hsum(a);
+      }
+    }
+  }
+
+  // the block's nb scored keys: the running max, their weights rescaled to it, then P @ V over
+  // their values, given as `segs` runs v[i] of n[i] tokens (a page each, or one run)
+  void flush(const T* const* v, const int64_t* n, int segs, int64_t nb) {
+    for (int g = 0; g < M; ++g) {
+      float bm = mx[g];
+      for (int64_t t = 0; t < nb; ++t) bm = std::max(bm, s[g][t]);
+      const float alpha = exp_nonpositive(mx[g] - bm);
+      float added = 0.f;
+#pragma omp simd reduction(+ : added)
+      for (int64_t t = 0; t < nb; ++t) {
+        s[g][t] = exp_nonpositive(s[g][t] - bm);
+        added += s[g][t];
+      }
+      sum[g] = sum[g] * alpha + added;
+      mx[g] = bm;
+      for (int c = 0; c < C; ++c) acc[g][c] *= alpha;
+    }
+    for (int i = 0, at = 0; i < segs; at += n[i++]) {
+      for (int64_t t = 0; t < n[i]; ++t) {
+        vec16 vc[C];
+        for (int c = 0; c < C; ++c) vc[c] = load16(v[i] + t * D + c * 16);
+        for (int g = 0; g < M; ++g)
+          for (int c = 0; c < C; ++c) acc[g][c] += s[g][at + t] * vc[c];
+      }
+    }
+  }
+
+  void add(const T* k, const T* v, int64_t nb) {  // nb <= kBlock contiguous keys
+    score(k, 0, nb);
+    flush(&v, &nb, 1, nb);
+  }
+
+  void add_run(const T* k, const T* v, int64_t n) {  // n contiguous keys, in blocks
+    for (int64_t t0 = 0; t0 < n; t0 += kBlock)
+      add(k + t0 * D, v + t0 * D, std::min(kBlock, n - t0));
+  }
+
+  void finish(float* o, float* lse) const {  // no key added: zeros, and lse -inf
+    for (int g = 0; g < M; ++g) {
+      const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;
+      for (int c = 0; c < C; ++c) {
+        const vec16 y = acc[g][c] * inv;
+        std::memcpy(o + g * D + c * 16, &y, sizeof(y));
+      }
+      if (lse) lse[g] = sum[g] > 0.f ? mx[g] + std::log(sum[g]) : -INFINITY;
+    }
+  }
+};
+
+// f(M, D) with M and D as compile-time constants (std::integral_constant) for the shapes of the
+// models in use: GQA groups of 1 to 4 and 8 query heads, head dims 32, 64 and 128; false: no
+// instance (the caller takes a generic path)
+template <int D, typename F>
+bool with_m(int64_t M, F&& f) {
+  using std::integral_constant;
+  switch (M) {
+    case 1: f(integral_constant<int, 1>{}, integral_constant<int, D>{}); return true;
+    case 2: f(integral_constant<int, 2>{}, integral_constant<int, D>{}); return true;
+    case 3: f(integral_constant<int, 3>{}, integral_constant<int, D>{}); return true;
+    case 4: f(integral_constant<int, 4>{}, integral_constant<int, D>{}); return true;
+    case 8: f(integral_constant<int, 8>{}, integral_constant<int, D>{}); return true;
+    default: return false;
+  }
+}
+template <typename F>
+bool with_shape(int64_t M, int64_t D, F&& f) {
+  switch (D) {
+    case 32: return with_m<32>(M, f);
+    case 64: return with_m<64>(M, f);
+    case 128: return with_m<128>(M, f);
+    default: return false;
+  }
+}
+
+// sparse_decode's (row, KV head) in one pass: the selected pages' tokens, page by page, read in
+// place; the pages a few ahead prefetched into L2 (a selection jumps around the pool)
+template <typename T, int M, int D>
+void attend_pages(const float* q, const T* k, const T* v, const Pages& pg, int64_t ks, int64_t kh,
+                  int64_t vs, int64_t vh, float scale, float* o) {
+  const int64_t P = pg.P;
+  Online<T, M, D> acc(q, scale);
+  const T* vseg[kBlock];  // the block so far: runs of values, kBlock keys at most
+  int64_t nseg[kBlock], nb = 0;
+  int segs = 0;
+  for (int64_t j = 0; j < pg.n_sel; ++j) {
+    if (j + kAhead < pg.n_sel && pg.tokens(j + kAhead)) {
+      prefetch(k + pg.row(j + kAhead, ks, kh) * P * D, P * D * sizeof(T));
+      prefetch(v + pg.row(j + kAhead, vs, vh) * P * D, P * D * sizeof(T));
+    }
+    const int64_t c = pg.tokens(j);
+    const T *kp = k + pg.row(j, ks, kh) * P * D, *vp = v + pg.row(j, vs, vh) * P * D;
+    for (int64_t t0 = 0; t0 < c;) {  // pages fill blocks of kBlock keys: one rescale a block
+      const int64_t take = std::min(c - t0, kBlock - nb);
+      acc.score(kp + t0 * D, nb, take);
+      vseg[segs] = vp + t0 * D;
+      nseg[segs++] = take;
+      nb += take;
+      t0 += take;
+      if (nb == kBlock) {
+        acc.flush(vseg, nseg, segs, nb);
+        nb = segs = 0;
+      }
+    }
+  }
+  if (nb) acc.flush(vseg, nseg, segs, nb);
+  acc.finish(o, nullptr);
+}
 
 // DD > 0: the head dim as a constant, so that the loops over it unroll (no remainder loop)
 template <typename T, int64_t DD>
@@ -175,6 +340,11 @@ torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_rows, torch::Tensor
         const float* qb = qp + bh * G * D;
         float* ob = op + bh * G * D;
         const float sc = static_cast<float>(scale);
+        if (with_shape(G, D, [&](auto m, auto d) {
+              attend_pages<scalar_t, decltype(m)::value, decltype(d)::value>(
+                  qb, k, v, pg, ks, kh, vs, vh, sc, ob);
+            }))
+          continue;  // else the two-pass loop, for any G and D
         if (D == 32)
           attend<scalar_t, 32>(qb, k, v, pg, G, D, ks, kh, vs, vh, sc, s.data(), ob);
         else if (D == 64)
@@ -292,140 +462,10 @@ torch::Tensor select_pages(torch::Tensor q, std::vector<torch::Tensor> meta,
   return sel;
 }
 
-namespace {
-
-// GCC/Clang vector of 16 floats: one AVX-512 register (two AVX2 ones); the loops below keep a
-// group's M queries and their M running outputs in registers
-typedef float vec16 __attribute__((vector_size(64)));
-
-template <typename T>
-inline vec16 load16(const T* p) {
-  vec16 r;
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(p[i]);
-  return r;
-}
-template <>
-inline vec16 load16<float>(const float* p) {
-  vec16 r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-inline float hsum(vec16 a) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += a[i];
-  return s;
-}
-
-constexpr int64_t kBlock = 32;  // keys scored before their values are read (fits in L1)
-
-// One (row, KV head): M queries over n contiguous keys and values (token stride D), in one pass
-// with a running softmax (flash-decoding's recurrence, a block of kBlock keys at a time).
-template <typename T, int M, int D>
-void attend_run(const float* q, const T* k, const T* v, int64_t n, float scale, float* o,
-                float* lse) {
-  constexpr int C = D / 16;
-  vec16 qv[M][C], acc[M][C];
-  float mx[M], sum[M], s[M][kBlock];
-  for (int g = 0; g < M; ++g) {
-    for (int c = 0; c < C; ++c) {
-      qv[g][c] = load16(q + g * D + c * 16) * scale;
-      acc[g][c] = vec16{} ;
-    }
-    mx[g] = -3.0e38f;
-    sum[g] = 0.f;
-  }
-  for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
-    const int64_t nb = std::min(kBlock, n - t0);
-    for (int64_t t = 0; t < nb; ++t) {  // scores of the block
-      const T* kt = k + (t0 + t) * D;
-      vec16 kc[C];
-      for (int c = 0; c < C; ++c) kc[c] = load16(kt + c * 16);
-      for (int g = 0; g < M; ++g) {
-        vec16 a = qv[g][0] * kc[0];
-        for (int c = 1; c < C; ++c) a += qv[g][c] * kc[c];
-        s[g][t] = hsum(a);
-      }
-    }
-    for (int g = 0; g < M; ++g) {  // the running max, and the weights rescaled to it
-      float bm = mx[g];
-      for (int64_t t = 0; t < nb; ++t) bm = std::max(bm, s[g][t]);
-      const float alpha = exp_nonpositive(mx[g] - bm);
-      float add = 0.f;
-#pragma omp simd reduction(+ : add)
-      for (int64_t t = 0; t < nb; ++t) {
-        s[g][t] = exp_nonpositive(s[g][t] - bm);
-        add += s[g][t];
-      }
-      sum[g] = sum[g] * alpha + add;
-      mx[g] = bm;
-      for (int c = 0; c < C; ++c) acc[g][c] *= alpha;
-    }
-    for (int64_t t = 0; t < nb; ++t) {  // P @ V of the block
-      const T* vt = v + (t0 + t) * D;
-      vec16 vc[C];
-      for (int c = 0; c < C; ++c) vc[c] = load16(vt + c * 16);
-      for (int g = 0; g < M; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] += s[g][t] * vc[c];
-    }
-  }
-  for (int g = 0; g < M; ++g) {
-    const float inv = n > 0 ? 1.f / sum[g] : 0.f;
-    for (int c = 0; c < C; ++c) std::memcpy(o + g * D + c * 16, &(acc[g][c] *= inv), 64);
-    lse[g] = n > 0 ? mx[g] + std::log(sum[g]) : -INFINITY;
-  }
-}
-
-template <typename T>
-struct Runs {  // the arguments of attend_runs, as pointers and strides
-  const float* q;
-  const T *k, *v;
-  const int32_t* lens;  // nullptr: every row reads all T keys
-  int64_t B, H, T_, kb, kh, vb, vh;  // rows, KV heads, keys; row and head strides of k and v
-  float scale;
-  float *o, *lse;
-};
-
-template <typename T, int M, int D>
-void attend_runs_all(const Runs<T>& a) {
-  at::parallel_for(0, a.B * a.H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / a.H, h = bh % a.H;
-      const int64_t n = a.lens ? std::min<int64_t>(a.lens[b], a.T_) : a.T_;
-      attend_run<T, M, D>(a.q + bh * M * D, a.k + b * a.kb + h * a.kh, a.v + b * a.vb + h * a.vh,
-                          n, a.scale, a.o + bh * M * D, a.lse + bh * M);
-    }
-  });
-}
-
-template <typename T, int M>
-bool attend_runs_m(const Runs<T>& a, int64_t D) {  // false: no instance for this D
-  switch (D) {
-    case 32: attend_runs_all<T, M, 32>(a); return true;
-    case 64: attend_runs_all<T, M, 64>(a); return true;
-    case 128: attend_runs_all<T, M, 128>(a); return true;
-    default: return false;
-  }
-}
-
-template <typename T>
-bool attend_runs_any(const Runs<T>& a, int64_t M, int64_t D) {  // false: no instance for M, D
-  switch (M) {  // the GQA groups of the models in use: 1 to 4 and 8 query heads a KV head
-    case 1: return attend_runs_m<T, 1>(a, D);
-    case 2: return attend_runs_m<T, 2>(a, D);
-    case 3: return attend_runs_m<T, 3>(a, D);
-    case 4: return attend_runs_m<T, 4>(a, D);
-    case 8: return attend_runs_m<T, 8>(a, D);
-    default: return false;
-  }
-}
-
-}  // namespace
-
 // Dense decode over contiguous runs (the engine's lanes): q (B, H, M, D) float32, the M queries of
 // each KV head; k, v (B, H, T, D) views with any row and head strides and contiguous tokens;
 // lens (B,) int32 keys of each row (an undefined tensor: all T) -> [out (B, H, M, D) float32,
-// lse (B, H, M) float32], or [] where M, D or the dtype has no instance here (the caller falls
-// back to SDPA)
+// lse (B, H, M) float32], or [] where M or D has no instance here (the caller falls back to SDPA)
 std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                        c10::optional<torch::Tensor> lens, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
@@ -444,12 +484,24 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
   auto out = torch::empty({B, H, M, D}, q.options());
   auto lse = torch::empty({B, H, M}, q.options());
   bool done = false;
+  const float sc = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "runs", [&] {
-    const Runs<scalar_t> a{q.data_ptr<float>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                           lp, B, H, T_, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           static_cast<float>(scale), out.data_ptr<float>(),
-                           lse.data_ptr<float>()};
-    done = attend_runs_any(a, M, D);
+    const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+    const float* qp = q.data_ptr<float>();
+    float *op = out.data_ptr<float>(), *lsp = lse.data_ptr<float>();
+    done = with_shape(M, D, [&](auto m, auto d) {
+      constexpr int MM = decltype(m)::value, DD = decltype(d)::value;
+      at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t bh = begin; bh < end; ++bh) {
+          const int64_t b = bh / H, h = bh % H;
+          const int64_t n = lp ? std::min<int64_t>(lp[b], T_) : T_;
+          Online<scalar_t, MM, DD> acc(qp + bh * MM * DD, sc);
+          acc.add_run(kp + b * k.stride(0) + h * k.stride(1),
+                      vp + b * v.stride(0) + h * v.stride(1), n);
+          acc.finish(op + bh * MM * DD, lsp + bh * MM);
+        }
+      });
+    });
   });
   if (!done) return {};
   return {out, lse};

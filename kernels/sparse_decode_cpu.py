@@ -59,7 +59,7 @@ def select_pages_cpu(q, meta, page_table, n_pages, n_full, n_read, keep_first=1,
     sel = ext.select_pages(q.reshape(B, H, H_q // H, D).float().contiguous(), list(meta),
                            page_table.int().contiguous(), n_pages, n_full, n_read, keep_first,
                            keep_recent, k)
-    return sel, n_read[:, None].expand(B, H)
+    return sel, n_read[:, None].expand(B, H).contiguous()
 
 
 def page_rows(cache):
@@ -77,7 +77,7 @@ def page_rows(cache):
 def sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale=None,
                       kernel=True):
     """The CPU fast path of sparse decode, beside the reference: the same contract, for a cache
-    that `page_rows` can view (head-major). The C++ kernel (`cpu_kernel`) reads the selected pages
+    that `page_rows` can view (head-major; None for another). The C++ kernel (`cpu_kernel`) reads the selected pages
     in place; without it (or kernel=False) whole pages are gathered, one index_select per cache for
     all KV heads, in the cache's dtype, a chunk of rows at a time, and SDPA masks the tokens past
     each row's end: that path reads the unread tail of a partial page too, so the cache must hold
@@ -86,12 +86,18 @@ def sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, sca
     _, P, H, _ = k_cache.shape
     S, G, dev = sel.shape[2], H_q // H, q.device
     scale = D ** -0.5 if scale is None else scale
-    (kr, ks, kh), (vr, vs, vh) = page_rows(k_cache), page_rows(v_cache)
+    kr, vr = page_rows(k_cache), page_rows(v_cache)
+    if kr is None or vr is None:  # not head-major: the caller takes the reference
+        return None
+    (kr, ks, kh), (vr, vs, vh) = kr, vr
     qg, ext = q.reshape(B, H, G, D), cpu_kernel() if kernel else None
     if ext is not None:  # the index work too: no small tensor ops per layer
-        ints = [t.int().contiguous() for t in (page_table, seq_lens, sel, n_sel)]
-        out = ext.sparse_decode(qg.float().contiguous(), kr, vr, *ints, P, ks, kh, vs, vh, scale)
-        return out.view(B, H_q, D).to(q.dtype)
+        ints = [t if t.dtype == torch.int32 and t.is_contiguous() else t.int().contiguous()
+                for t in (page_table, seq_lens, sel, n_sel)]
+        out = ext.sparse_decode(qg if q.dtype == torch.float32 and qg.is_contiguous()
+                                else qg.float().contiguous(), kr, vr, *ints, P, ks, kh, vs, vh,
+                                scale)
+        return out.view(B, H_q, D) if q.dtype == torch.float32 else out.view(B, H_q, D).to(q.dtype)
     seq_lens, page = seq_lens.long(), sel.long()
     slot_ok = torch.arange(S, device=dev) < n_sel[..., None]
     page_ok = slot_ok & (page * P < seq_lens[:, None, None])  # (B, H_kv, S)
