@@ -215,12 +215,9 @@ void attend_pages(const float* q, const T* k, const T* v, const Pages& pg, int64
   int64_t nseg[kBlock], nb = 0;
   int segs = 0;
   for (int64_t j = 0; j < pg.n_sel; ++j) {
-    // a page that does not follow the one before it in memory: the hardware prefetcher follows
-    // runs only, so fetch it ahead by hand (a run of adjacent pages gets no prefetch instructions)
-    const int64_t a = j + kAhead;
-    if (a < pg.n_sel && pg.tokens(a) && pg.row(a, 1, 0) != pg.row(a - 1, 1, 0) + 1) {
-      prefetch(k + pg.row(a, ks, kh) * P * D, P * D * sizeof(T));
-      prefetch(v + pg.row(a, vs, vh) * P * D, P * D * sizeof(T));
+    if (j + kAhead < pg.n_sel && pg.tokens(j + kAhead)) {
+      prefetch(k + pg.row(j + kAhead, ks, kh) * P * D, P * D * sizeof(T));
+      prefetch(v + pg.row(j + kAhead, vs, vh) * P * D, P * D * sizeof(T));
     }
     const int64_t c = pg.tokens(j);
     const T *kp = k + pg.row(j, ks, kh) * P * D, *vp = v + pg.row(j, vs, vh) * P * D;
