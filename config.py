@@ -51,7 +51,8 @@ class Config:
     # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
     data: str = ""
     difficulty: tuple = (2, 8)  # synthetic task: range of chain lengths
-    order: str = "defined"  # synthetic task: defined | shuffled (see tasks.make_synthetic)
+    # synthetic task: defined | shuffled | marked (see tasks.make_synthetic)
+    order: str = "defined"
     # problems in the training pool (0 = every row of a dataset; synthetic needs a number)
     n_train: int = 0
     n_eval: int = 500  # held-out problems
@@ -243,9 +244,11 @@ def parse_config(argv):
 
 # ---------------------------------------------------------------------- value checks, at parse time
 
+MARKED_VARS = 12  # the synthetic task's order "marked": the items every prompt lists (tasks.py)
+
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "autocast": ("none", "bfloat16"), "task": ("synthetic", "gsm8k", "math", "code"),
-           "order": ("defined", "shuffled"), "kv_scorer": ("centroid", "quest", "oracle"),
+           "order": ("defined", "shuffled", "marked"), "kv_scorer": ("centroid", "quest", "oracle"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
            "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
            "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update")}
@@ -289,6 +292,10 @@ def check(cfg):
         v = getattr(cfg, k)
         if v and (len(v) != 2 or not 1 <= v[0] <= v[1]):
             raise bad(k, "empty or a range (lo, hi) with 1 <= lo <= hi")
+    if cfg.order == "marked":  # a fixed number of items: no chain longer than that
+        for k in ("difficulty", "sft_difficulty", "eval_difficulty"):
+            if getattr(cfg, k) and getattr(cfg, k)[1] > MARKED_VARS:
+                raise bad(k, f"at most {MARKED_VARS} (order 'marked' has {MARKED_VARS} items)")
     if cfg.n_embd % cfg.n_head or cfg.n_head % cfg.n_kv_head:
         raise bad("n_head", f"a divisor of n_embd ({cfg.n_embd}) "
                             f"and a multiple of n_kv_head ({cfg.n_kv_head})")

@@ -40,6 +40,7 @@ from typing import (TYPE_CHECKING, Iterable, Iterator, NamedTuple, Optional, Seq
                     Union)
 
 from answers import extract_boxed, extract_hash_answer
+from config import MARKED_VARS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -92,7 +93,11 @@ def make_synthetic(n: int, seed: int, difficulty: Union[int, tuple[int, int]] = 
                   a position that moves steadily through the prompt: a small model learns it in a
                   few hundred SFT steps);
       "shuffled": d of d + 2 variables, summed in a random order (each lookup must match the name
-                  itself: much harder for a small model).
+                  itself: much harder for a small model);
+      "marked":   always MARKED_VARS variables; the chain is the first d of them, its last one
+                  ends with "." instead of "," ("a=3,b=5,c=1.d=4,...?"), and the trace restates
+                  each value and its separator ("3>3,5>8,1>9.#9"): a step is the same at any d and
+                  the chain ends on content, not on a count (see _make_marked).
     """
     lo, hi = (difficulty, difficulty) if isinstance(difficulty, int) else tuple(difficulty)
     if lo < 1 or hi < lo:
@@ -100,8 +105,10 @@ def make_synthetic(n: int, seed: int, difficulty: Union[int, tuple[int, int]] = 
                          f"1 <= lo <= hi, got {difficulty!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    if order not in ("defined", "shuffled"):
-        raise ValueError(f"order must be 'defined' or 'shuffled', got {order!r}")
+    if order not in ("defined", "shuffled", "marked"):
+        raise ValueError(f"order must be 'defined', 'shuffled' or 'marked', got {order!r}")
+    if order == "marked":
+        return _make_marked(n, seed, lo, hi)
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -118,8 +125,46 @@ def make_synthetic(n: int, seed: int, difficulty: Union[int, tuple[int, int]] = 
 def synthetic_trace(problem: Problem) -> str:
     """The reference completion (what SFT trains on), recomputed from the prompt itself."""
     assigns, _, expr = problem.prompt.strip().partition("?")
+    if not expr:  # order="marked": no expression, the chain ends at the "."
+        return _marked_trace(assigns)[0]
     values = {k: int(v) for k, v in (a.split("=") for a in assigns.split(","))}
     return _trace(values, expr.split("+"))[0]
+
+
+# order="marked": a length-generalization variant. The prompt always holds MARKED_VARS (config.py)
+# items of 4 characters ("k=v," or, for the chain's last one, "k=v."), the chain being the first d,
+# and each trace step is 4 characters too ("v>s," : the value, the running sum, the item's
+# separator), so step k reads item k at the same distance for every k and d. Only the number of
+# items after the "." (MARKED_VARS - d) changes with d: a warm start trained on short chains has
+# only seen many. In the current format a model looks values up by their distance, which a longer
+# prompt moves: SFT on chains of 2 to 6 falls to chance at 7; here it can carry on past 6.
+
+
+def _marked_trace(assigns: str) -> tuple[str, str]:
+    steps, total = [], 0
+    for i in range(0, len(assigns), 4):
+        value, sep = int(assigns[i + 2]), assigns[i + 3]
+        total = (total + value) % 10
+        steps.append(f"{value}>{total}{sep}")
+        if sep == ".":
+            break
+    return "".join(steps) + f"#{total}", str(total)
+
+
+def _make_marked(n: int, seed: int, lo: int, hi: int) -> list[Problem]:
+    if hi > MARKED_VARS:
+        raise ValueError(f"order 'marked' supports difficulties up to {MARKED_VARS}, "
+                         f"asked for {hi}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        d = rng.randint(lo, hi)
+        names = _names(rng, MARKED_VARS)
+        assigns = "".join(f"{k}={rng.randint(0, 9)}{'.' if i == d - 1 else ','}"
+                          for i, k in enumerate(names))
+        trace, answer = _marked_trace(assigns)
+        out.append(Problem(assigns + "?\n", answer, "synthetic", {"difficulty": d, "trace": trace}))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,28 @@ MBPP = os.path.join(FIX, "mbpp_small.jsonl")
 
 # ---------------------------------------------------------------- synthetic task
 
+def test_marked_order_keeps_every_step_at_one_distance():
+    """order="marked": every prompt lists MARKED_VARS items of 4 characters, the chain's last one
+    (item d) ending in "."; the trace is 4 characters a step (value, running sum, separator) and
+    ends on the sum of the first d values; synthetic_trace rebuilds it from the prompt; a chain
+    longer than the items is refused, by make_synthetic and when the config is parsed."""
+    from config import MARKED_VARS, parse_config
+    for p in make_synthetic(50, seed=3, difficulty=(2, MARKED_VARS), order="marked"):
+        d, items = p.meta["difficulty"], p.prompt[:-2]
+        assert p.prompt.endswith("?\n") and len(items) == 4 * MARKED_VARS
+        seps = items[3::4]
+        assert seps.index(".") == d - 1 and seps.count(".") == 1
+        values = [int(v) for v in items[2::4]]
+        steps = p.meta["trace"].split("#")[0]
+        assert len(steps) == 4 * d and steps[3::4] == seps[:d]
+        assert p.answer == str(sum(values[:d]) % 10) == p.meta["trace"].split("#")[1]
+        assert synthetic_trace(p) == p.meta["trace"]
+    with pytest.raises(ValueError, match="up to"):
+        make_synthetic(1, seed=0, difficulty=MARKED_VARS + 1, order="marked")
+    with pytest.raises(ValueError, match="'difficulty' must be at most"):
+        parse_config(["--order=marked", f"--difficulty=(2,{MARKED_VARS + 1})"])
+
+
 @pytest.mark.parametrize("order,n_vars", [("defined", 3), ("shuffled", 5)])
 def test_synthetic_example_format(order, n_vars):
     p = make_synthetic(1, seed=0, difficulty=3, order=order)[0]
