@@ -301,8 +301,9 @@ class Transformer(nn.Module):
     @contextlib.contextmanager
     def packed(self):
         """On a CPU, each module with PACKS gets `packs`: its Linears' weights stacked per group,
-        packed for oneDNN and for kernels/linear_cpu (bias-free fp32 nn.Linears only: a LoRA, fp8 or N:M layer keeps its own
-        forward). Made on entry, dropped on exit (updated weights read fresh); no_grad only."""
+        packed for oneDNN and for kernels/linear_cpu (bias-free fp32 nn.Linears only: a LoRA, fp8
+        or N:M layer keeps its own forward). Made on entry, dropped on exit (updated weights read
+        fresh); no_grad only."""
         on = (self.lm_head.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
               and self.config.hidden_size >= self.PACK_MIN_HIDDEN)
         mods = [m for m in self.modules() if hasattr(m, "PACKS")] if on else []

@@ -82,8 +82,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots, length_mask,
-                                         prefix_index, shared_prefix_decode)
+from kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots, prefix_index,
+                                         shared_prefix_decode)
 from kernels.sparse_decode_cpu import cpu_kernel, select_pages_cpu
 from moe import record_routes
 from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,

@@ -43,15 +43,17 @@ Simplifications and rules:
    path than the reference: one gather of every cached token per cache, then fused SDPA
    (`dense_decode_ref`). Same contract. Where each row's tokens are one contiguous run (the
    engine's lanes), the CPU reads them in place with no gather (`attend_rows`: the C++ kernel's
-   one-pass `attend_runs`, or SDPA), and a prompt that a group of rows shares once for the group (`shared_prefix_decode`: the rows' queries side by
-   side, merged with each row's own part by log-sum-exp, `merge_attention`).
+   one-pass `attend_runs`, or SDPA), and a prompt that a group of rows shares once for the group
+   (`shared_prefix_decode`: the rows' queries side by side, merged with each row's own part by
+   log-sum-exp, `merge_attention`).
 7. Sparse decode on a CPU (the engine passes finite=True; a head-major cache) takes
    `sparse_decode_cpu` (kernels/sparse_decode_cpu.py): a C++ kernel (sparse_decode_cpu.cpp, built
    on first use with torch.utils.cpp_extension and cached; ZEROS_CPU_KERNEL=0 skips it) that reads
    the selected pages in place, since PyTorch can only gather them first, and the gather costs
-   more than the attention. Its `select_pages_cpu` also does the page selection (centroid or Quest scores read
-   through the page tables, then sparsity.select_pages' rule) in one call. Without a C++ compiler,
-   a PyTorch path gathers whole pages a chunk of rows at a time and masks them in SDPA.
+   more than the attention. Its `select_pages_cpu` also does the page selection (centroid or Quest
+   scores read through the page tables, then sparsity.select_pages' rule) in one call. Without a
+   C++ compiler, a PyTorch path gathers whole pages a chunk of rows at a time and masks them in
+   SDPA.
 
 Run the benchmark with `python -m kernels.block_sparse_decode` (CUDA: kernel vs SDPA vs
 FlexAttention; CPU: the PyTorch reference against the CPU fast path). Tests:
@@ -338,7 +340,9 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, sel=None, n_sel=
     # a head-major cache (page_rows views it): the CPU fast path; else None, and the reference
     out = (sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
            if finite else None)
-    return out if out is not None else block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
+    if out is not None:
+        return out
+    return block_sparse_decode_ref(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale)
 
 
 # -----------------------------------------------------------------------------

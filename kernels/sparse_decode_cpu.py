@@ -77,11 +77,12 @@ def page_rows(cache):
 def sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, scale=None,
                       kernel=True):
     """The CPU fast path of sparse decode, beside the reference: the same contract, for a cache
-    that `page_rows` can view (head-major; None for another). The C++ kernel (`cpu_kernel`) reads the selected pages
-    in place; without it (or kernel=False) whole pages are gathered, one index_select per cache for
-    all KV heads, in the cache's dtype, a chunk of rows at a time, and SDPA masks the tokens past
-    each row's end: that path reads the unread tail of a partial page too, so the cache must hold
-    finite values there (0 * NaN is NaN; the engine's pool starts at zero)."""
+    that `page_rows` can view (head-major; None for another). The C++ kernel (`cpu_kernel`) reads
+    the selected pages in place; without it (or kernel=False) whole pages are gathered, one
+    index_select per cache for all KV heads, in the cache's dtype, a chunk of rows at a time, and
+    SDPA masks the tokens past each row's end: that path reads the unread tail of a partial page
+    too, so the cache must hold finite values there (0 * NaN is NaN; the engine's pool starts at
+    zero)."""
     B, H_q, D = q.shape
     _, P, H, _ = k_cache.shape
     S, G, dev = sel.shape[2], H_q // H, q.device
