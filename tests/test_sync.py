@@ -395,7 +395,9 @@ def test_file_transport_survives_a_writer_killed_mid_write(tmp_path):
     tmp = os.path.join(folder, "updates", ".tmp-v000002")
     try:
         deadline = time.time() + 60
-        while not (os.path.isdir(tmp) and os.listdir(tmp)) and time.time() < deadline:
+        # the first shard in place (not its own temp file, mid-save): the writer now sleeps
+        while not (os.path.isdir(tmp) and any(f.startswith("shard-") for f in os.listdir(tmp))
+                   ) and time.time() < deadline:
             assert p.poll() is None, "the writer exited before it was killed"
             time.sleep(0.05)
     finally:
