@@ -64,6 +64,10 @@ class Config:
     sft_lr: float = 1e-3
     # fraction of teacher traces that end with the wrong convention (warmstart.py)
     sft_noise: float = 0.0
+    # order "marked" only: the chance that the teacher, on a step whose running sum crosses 10,
+    # adds the carry into the units digit ((s + v + 1) % 10) and carries on from its own wrong
+    # total: a slip that comes with the input, more often the longer the chain (warmstart.py)
+    sft_slip: float = 0.0
     # synthetic warm start: range of chain lengths for SFT (empty: difficulty)
     sft_difficulty: tuple = ()
     # synthetic warm start: SFT from a checkpoint or a config file's own warm start, not scratch
@@ -244,7 +248,7 @@ def parse_config(argv):
 
 # ---------------------------------------------------------------------- value checks, at parse time
 
-MARKED_VARS = 12  # the synthetic task's order "marked": the items every prompt lists (tasks.py)
+MARKED_VARS = 14  # the synthetic task's order "marked": the items every prompt lists (tasks.py)
 
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "autocast": ("none", "bfloat16"), "task": ("synthetic", "gsm8k", "math", "code"),
@@ -263,7 +267,7 @@ NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_com
                 "overlong_buffer", "overlong_penalty", "steps", "warmup_steps", "weight_decay",
                 "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise", "n_expert",
                 "moe_aux_coef")
-UNIT = ("sft_noise", "top_p", "kv_target", "explore", "min_lr_ratio", "lora_dropout",
+UNIT = ("sft_noise", "sft_slip", "top_p", "kv_target", "explore", "min_lr_ratio", "lora_dropout",
         "clip_low")  # within [0, 1]
 
 
@@ -292,6 +296,8 @@ def check(cfg):
         v = getattr(cfg, k)
         if v and (len(v) != 2 or not 1 <= v[0] <= v[1]):
             raise bad(k, "empty or a range (lo, hi) with 1 <= lo <= hi")
+    if cfg.sft_slip and cfg.order != "marked":
+        raise bad("sft_slip", "0 unless order is 'marked'")
     if cfg.order == "marked":  # a fixed number of items: no chain longer than that
         for k in ("difficulty", "sft_difficulty", "eval_difficulty"):
             if getattr(cfg, k) and getattr(cfg, k)[1] > MARKED_VARS:

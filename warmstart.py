@@ -16,7 +16,7 @@ What it does:
 
 Simplifications:
     1. The teacher is the task's reference trace, with an optional planted error (sft_noise, see
-       teacher_trace).
+       teacher_trace) or, on order "marked", an optional slip at each carry (sft_slip).
     2. The SFT loop is plain: one AdamW, warmup then cosine, no packing, no evaluation.
 """
 
@@ -50,12 +50,24 @@ def tiny_model_config(cfg, tok):
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **moe)
 
 
-def teacher_trace(problem, noise, rng):
+def teacher_trace(problem, noise, rng, slip=0.0):
     """The SFT target: the task's reference trace, except that with probability `noise` the teacher
     ends on the value it looked up last instead of the running sum ("a=7>7 b=2>9 #2" instead of
     "#9"). An imperfect teacher with the wrong answer convention: the warm start learns the mix, and
     RL must find from the verifier's reward alone which ending is right (the most common early win
-    of RLVR in practice)."""
+    of RLVR in practice). `slip` (order "marked"): on each step whose running sum crosses 10, with
+    that probability the teacher adds the carry into the units digit and carries on from its own
+    wrong total ("7>7,5>3." instead of "7>7,5>2."): a weak learner's slip, which comes with the
+    input and compounds along the chain."""
+    if slip > 0:
+        items, steps, total = problem.prompt.strip().partition("?")[0], [], 0
+        for i in range(0, len(items), 4):  # "k=v," items (tasks._make_marked)
+            v, sep = int(items[i + 2]), items[i + 3]
+            total = (total + v + 1) % 10 if total + v >= 10 and rng.random() < slip else (
+                (total + v) % 10)
+            steps.append(f"{v}>{total}{sep}")
+            if sep == ".":
+                return "".join(steps) + f"#{total}"
     trace = synthetic_trace(problem)
     if rng.random() < noise:
         body, _, _ = trace.rpartition(" #")
@@ -68,6 +80,8 @@ def sft_key(cfg):
     key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
                                         "order", "sft_steps", "sft_batch", "sft_lr", "sft_noise",
                                         "sft_init")}
+    if cfg.sft_slip:  # likewise: a run without the slip keeps its key
+        key.update(sft_slip=cfg.sft_slip)
     if cfg.n_expert:  # only MoE keys where they apply: a dense model's cache keeps its key
         key.update(n_expert=cfg.n_expert, n_expert_active=cfg.n_expert_active, moe_ffn=cfg.moe_ffn)
     return json.loads(json.dumps({**key, "sft_difficulty": cfg.sft_difficulty or cfg.difficulty}))
@@ -114,11 +128,11 @@ def warm_start(cfg, tok, dev, log, rank=0):
     rng = random.Random(cfg.seed)
     log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} "
         f"steps")
-    bar = rank == 0 and sys.stderr.isatty()  # a bar in a file is one endless line: only on a terminal
+    bar = rank == 0 and sys.stderr.isatty()  # in a file a bar is one endless line: a terminal only
     for step in tqdm(range(cfg.sft_steps), desc="sft", disable=not bar, dynamic_ncols=True):
         batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
         p_ids = [tok.encode(p.prompt, add_special_tokens=False) for p in batch]
-        c_ids = [torch.tensor(tok.encode(teacher_trace(p, cfg.sft_noise, rng),
+        c_ids = [torch.tensor(tok.encode(teacher_trace(p, cfg.sft_noise, rng, cfg.sft_slip),
                                          add_special_tokens=False) + [tok.eos_token_id])
                  for p in batch]
         ids, tmask = build_batch(p_ids, c_ids,

@@ -100,7 +100,8 @@ def more_sft(cfg, run, tokens, seed):
                             cfg.sft_difficulty or cfg.difficulty, cfg.order):
         if n >= tokens:
             break
-        c = run.tok.encode(teacher_trace(p, cfg.sft_noise, rng), add_special_tokens=False)
+        c = run.tok.encode(teacher_trace(p, cfg.sft_noise, rng, cfg.sft_slip),
+                           add_special_tokens=False)
         rows.append((run.tok.encode(p.prompt, add_special_tokens=False),
                      c + [run.tok.eos_token_id]))
         n += len(c) + 1

@@ -367,3 +367,25 @@ def test_sampler_resume_exact():
         PromptSampler(probs[:3], seed=5).load_state_dict(sd)
     with pytest.raises(ValueError):
         PromptSampler([], seed=0)
+
+
+def test_wrap_slip_teacher_slips_only_where_the_sum_crosses_ten():
+    """warmstart.teacher_trace with sft_slip (order "marked"): slip 0 is the reference trace; slip 1
+    adds the carry into the units digit at every step whose running sum crosses 10 and carries on
+    from its own total, keeping each step's 4-character shape; other steps are the reference's
+    arithmetic on that total. The config refuses a slip on another order."""
+    import random
+    from config import parse_config
+    from warmstart import teacher_trace
+    for p in make_synthetic(30, seed=5, difficulty=(2, 10), order="marked"):
+        assert teacher_trace(p, 0.0, random.Random(0), slip=0.0) == p.meta["trace"]
+        got = teacher_trace(p, 0.0, random.Random(0), slip=1.0)
+        steps, end = got.split("#")
+        values = [int(v) for v in p.prompt[2::4][:p.meta["difficulty"]]]
+        total = 0
+        for i, v in enumerate(values):
+            total = (total + v + 1) % 10 if total + v >= 10 else total + v
+            assert steps[4 * i:4 * i + 4] == f"{v}>{total}{p.prompt[4 * i + 3]}"
+        assert len(steps) == 4 * len(values) and end == str(total)
+    with pytest.raises(ValueError, match="sft_slip"):
+        parse_config(["--sft_slip=0.5", "--order=defined"])
