@@ -2,6 +2,9 @@
 # A candidate for a default where RL extends the policy past its supervised range (not the default yet: the
 # equal-rollout baselines of `python -m bench demo` have not run on it, and a slip above 0.5 makes the slip the
 # teacher's majority at each carry, close in kind to a planted convention; see the notes below).
+# Measured (`time python train.py configs/extend.py --threads=1`, seed 0, 2-core AMD EPYC VM, 5 min 26 s): held-out
+# 0.07 -> 1.000; past the SFT range (7-12) the warm start's greedy accuracy is 0 and its pass@8 0.15-0.51, and
+# after 80 RL steps every difficulty from 2 to 12 is at 1.000.
 out_dir = "out/extend"
 task = "synthetic"
 # data: order "marked" (tasks.py): every prompt lists the same 14 items "k=v,", the chain is the first d of them
