@@ -18,9 +18,9 @@ Where the attention happens:
     is passed. The rollout engine owns the cache object, so it decides there whether a decode step
     reads every KV page or a sparse subset. It also generates inside `model.packed()`: on a CPU the
     weight matmuls (q|k|v and gate|up stacked, o, down, lm_head) run on packed copies: for a step of
-    at most 8 rows, kernels/linear_cpu.py's C++ loop, which streams each weight once (about 1.7x
-    oneDNN there); above, oneDNN's packed kernel, about 1.6x MKL's F.linear at decode sizes. Their
-    sums are ordered differently from F.linear's: last bits.
+    at most 8 rows, kernels/linear_cpu.py's C++ loop, which streams each weight once (oneDNN's
+    kernel is built for larger batches); above, oneDNN's packed kernel, about 1.6x MKL's F.linear at
+    decode sizes. Their sums are ordered differently from F.linear's: last bits.
 
 LoRA (stage 4, sparse updates):
     add_lora(model, r=8, alpha=16)      # q,k,v,o,gate,up,down (MoE experts too; never lm_head,
@@ -49,8 +49,8 @@ Simplifications:
     4. LoRA: one adapter per model, one rank and alpha for every target; no DoRA, no rsLoRA, no
        embedding adapters.
     5. The packed CPU path calls torch.ops.mkldnn (not a public API), for plain fp32 nn.Linears of
-       models 256 wide or more; it holds two more copies of those weights while generating (the
-       C++ kernel's, unless it is off: ZEROS_CPU_KERNEL=0).
+       models 256 wide or more; it holds another copy of those weights while generating, two where
+       a run decodes both small and large batches (oneDNN's and the C++ kernel's).
 """
 
 import contextlib
@@ -159,17 +159,35 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+class Packed:
+    """One group of Linears' weights stacked (Transformer.packed), as one matmul: in
+    kernels/linear_cpu's layout for a batch of at most SMALL_ROWS rows (a small decode step), else
+    in oneDNN's. Each layout is made on its first use, so a run whose batches are all large (or all
+    small) packs its weights once, not twice."""
+
+    def __init__(self, lins):
+        self.lins, self.n = lins, sum(m.out_features for m in lins)
+        self.onednn = self.small = None
+        self.tried_small = False  # small stays None after a try where there is no C++ kernel
+
+    def __call__(self, x):
+        if x.numel() <= SMALL_ROWS * x.shape[-1]:
+            if not self.tried_small:
+                self.small = linear_cpu_pack(torch.cat([m.weight.detach() for m in self.lins]))
+                self.tried_small = True
+            if self.small is not None:
+                return linear_cpu(x, self.small, self.n)
+        if self.onednn is None:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(
+                torch.cat([m.weight.detach() for m in self.lins]), None)
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, None, "none", [], "")
+
+
 def linears(x, mods, packed=None):
-    """[m(x) for m in mods], or one matmul on `packed` (Transformer.packed): their weights stacked,
-    in kernels/linear_cpu's layout for a batch of at most SMALL_ROWS rows (a small decode step),
-    else in oneDNN's."""
+    """[m(x) for m in mods], or one matmul on `packed` (a Packed): their weights stacked."""
     if packed is None:
         return [m(x) for m in mods]
-    onednn, small, n = packed
-    if small is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
-        y = linear_cpu(x, small, n)
-    else:
-        y = torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+    y = packed(x)
     return (y,) if len(mods) == 1 else y.split_with_sizes([m.out_features for m in mods], -1)
 
 
@@ -301,9 +319,9 @@ class Transformer(nn.Module):
     @contextlib.contextmanager
     def packed(self):
         """On a CPU, each module with PACKS gets `packs`: its Linears' weights stacked per group,
-        packed for oneDNN and for kernels/linear_cpu (bias-free fp32 nn.Linears only: a LoRA, fp8
-        or N:M layer keeps its own forward). Made on entry, dropped on exit (updated weights read
-        fresh); no_grad only."""
+        packed (`Packed`: for oneDNN or kernels/linear_cpu, each on first use; bias-free fp32
+        nn.Linears only: a LoRA, fp8 or N:M layer keeps its own forward). Made on entry, dropped on
+        exit (updated weights read fresh); no_grad only."""
         on = (self.lm_head.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
               and self.config.hidden_size >= self.PACK_MIN_HIDDEN)
         mods = [m for m in self.modules() if hasattr(m, "PACKS")] if on else []
@@ -312,10 +330,7 @@ class Transformer(nn.Module):
         try:
             for m in mods:
                 groups = {k: [getattr(m, n) for n in names] for k, names in m.PACKS.items()}
-                stacked = {k: torch.cat([lin.weight.detach() for lin in lins])
-                           for k, lins in groups.items() if all(map(plain, lins))}
-                m.packs = {k: (torch.ops.mkldnn._reorder_linear_weight(w, None),
-                               linear_cpu_pack(w), w.shape[0]) for k, w in stacked.items()}
+                m.packs = {k: Packed(lins) for k, lins in groups.items() if all(map(plain, lins))}
             yield self
         finally:
             for m in mods:

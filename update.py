@@ -141,8 +141,8 @@ class PromptOnce:
         self.rows, self.lens, self.kv, self.own = rows, lens, {}, False
 
     def positions(self, T):
-        start = self.lens[self.rows][:, None] if self.own else self.lens[:, None] * 0
-        return start + torch.arange(T, device=self.lens.device)
+        start = self.lens[self.rows] if self.own else torch.zeros_like(self.lens)
+        return start[:, None] + torch.arange(T, device=self.lens.device)
 
     def attend(self, layer, q, k, v):
         if not self.own:  # the prompts, right-padded: causal attention never sees the pads

@@ -8,8 +8,9 @@ their reference, F.linear.
 What it does: a decode step multiplies one token per live row by every weight of the model, so its
 time is the weights' streaming. linear_cpu.cpp lays each weight out in blocks of 32 output columns,
 k-major, and keeps a block's outputs for all rows in vector registers while it reads the block
-once. At 8 rows it runs the 12M-parameter bench model's matmuls in about 0.6 of oneDNN's time
-(`Transformer.packed` uses it for batches of at most SMALL_ROWS rows, oneDNN above).
+once, where oneDNN's packed kernel is built for larger batches (`Transformer.packed` uses this one
+for batches of at most SMALL_ROWS rows, oneDNN above; `python -m bench rollout` measures the engine
+with both).
 
 Simplifications:
     1. fp32 only, no bias: the plain nn.Linears of a Qwen3 model.

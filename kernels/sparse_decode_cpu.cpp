@@ -10,8 +10,8 @@
 // (`Online`: a block of keys scored, then their values read; the group's G queries and outputs
 // held in vector registers, G and the head dim being template constants), prefetching the K and
 // V pages a few ahead into L2: a selection jumps around the pool, and the hardware prefetcher
-// only follows runs. Shapes without an instance take a two-pass loop (`attend`): every score into
-// a buffer, softmax, then P @ V.
+// only follows runs. Shapes without an instance return None: the caller gathers the pages and
+// runs SDPA instead.
 //
 // The contract is the Python one (block_sparse_decode.py's docstring), with the cache seen as
 // (rows, P * D) pages of one KV head each (float32, bf16 or fp16) and the queries as float32
@@ -19,8 +19,8 @@
 // loops see no inf or NaN (the running max starts finite, and a cache holds finite values).
 //
 // `attend_runs` is dense decode where each (row, KV head)'s keys are one contiguous run (the
-// engine's lanes), through the same `Online` pass. SDPA's CPU flash kernel, built for many
-// queries, reaches about a third of its speed on the one query a row of decode has.
+// engine's lanes), through the same `Online` pass, in place of SDPA's CPU flash kernel, which is
+// built for many queries where a row of decode has one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -238,77 +238,12 @@ void attend_pages(const float* q, const T* k, const T* v, const Pages& pg, int64
   acc.finish(o, nullptr);
 }
 
-// DD > 0: the head dim as a constant, so that the loops over it unroll (no remainder loop)
-template <typename T, int64_t DD>
-void attend(const float* q, const T* k, const T* v, const Pages& pg, int64_t G, int64_t D_,
-            int64_t ks, int64_t kh, int64_t vs, int64_t vh, float scale, float* s, float* o) {
-  const int64_t D = DD > 0 ? DD : D_;
-  const int64_t P = pg.P, stride = pg.n_sel * P;  // the score buffer s is (G, n_sel * P)
-  int64_t n = 0;  // tokens read so far
-  for (int64_t j = 0; j < std::min(kAhead, pg.n_sel); ++j) {
-    if (pg.tokens(j)) {
-      prefetch(k + pg.row(j, ks, kh) * P * D, P * D * sizeof(T));
-      prefetch(v + pg.row(j, vs, vh) * P * D, P * D * sizeof(T));
-    }
-  }
-  for (int64_t j = 0; j < pg.n_sel; ++j) {
-    if (j + kAhead < pg.n_sel && pg.tokens(j + kAhead)) {  // V too: pass 2 finds it in L2
-      prefetch(k + pg.row(j + kAhead, ks, kh) * P * D, P * D * sizeof(T));
-      prefetch(v + pg.row(j + kAhead, vs, vh) * P * D, P * D * sizeof(T));
-    }
-    const int64_t c = pg.tokens(j);
-    if (!c) continue;
-    const T* kp = k + pg.row(j, ks, kh) * P * D;
-    for (int64_t t = 0; t < c; ++t, ++n) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        const T* kt = kp + t * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(kt[d]);
-        s[g * stride + n] = dot * scale;
-      }
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * stride;
-    float mx = -3.0e38f, sum = 0.f;
-#pragma omp simd reduction(max : mx)
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      sg[i] = exp_nonpositive(sg[i] - mx);
-      sum += sg[i];
-    }
-    const float inv = n > 0 ? 1.f / sum : 0.f;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
-  }
-  std::fill(o, o + G * D, 0.f);
-  n = 0;
-  for (int64_t j = 0; j < pg.n_sel; ++j) {
-    if (j + kAhead < pg.n_sel && pg.tokens(j + kAhead))
-      prefetch(v + pg.row(j + kAhead, vs, vh) * P * D, P * D * sizeof(T));
-    const int64_t c = pg.tokens(j);
-    if (!c) continue;
-    const T* vp = v + pg.row(j, vs, vh) * P * D;
-    for (int64_t t = 0; t < c; ++t, ++n) {
-      const T* vt = vp + t * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = s[g * stride + n];
-        float* og = o + g * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) og[d] += p * static_cast<float>(vt[d]);
-      }
-    }
-  }
-}
-
 }  // namespace
 
 // q (B, H, G, D) float32; k_rows, v_rows (rows, P * D); page_table (B, max_pages), seq_lens (B,),
 // sel (B, H, S), n_sel (B, H): contiguous int32, the Python contract; ks, kh, vs, vh: the row
-// strides of a page and a head in k_rows and v_rows (`page_rows`) -> (B, H, G, D) float32
+// strides of a page and a head in k_rows and v_rows (`page_rows`) -> (B, H, G, D) float32, or an
+// undefined tensor (None) where G or D has no instance here (the caller gathers the pages instead)
 torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_rows, torch::Tensor v_rows,
                             torch::Tensor page_table, torch::Tensor seq_lens, torch::Tensor sel,
                             torch::Tensor n_sel, int64_t P, int64_t ks, int64_t kh, int64_t vs,
@@ -323,6 +258,7 @@ torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_rows, torch::Tensor
   for (const auto& t : {page_table, seq_lens, sel, n_sel})
     TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(),
                 "page_table, seq_lens, sel and n_sel must be contiguous int32");
+  if (!with_shape(G, D, [](auto, auto) {})) return torch::Tensor();
   const int64_t max_pages = page_table.size(1);
   auto out = torch::empty({B, H, G, D}, q.options());
   const int32_t *tab = page_table.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
@@ -332,7 +268,6 @@ torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_rows, torch::Tensor
     const float* qp = q.data_ptr<float>();
     float* op = out.data_ptr<float>();
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> s(G * S * P);
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / H;
         const Pages pg{sl + bh * S, std::min<int64_t>(ns[bh], S), tab + b * max_pages, lens[b], P,
@@ -340,19 +275,10 @@ torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_rows, torch::Tensor
         const float* qb = qp + bh * G * D;
         float* ob = op + bh * G * D;
         const float sc = static_cast<float>(scale);
-        if (with_shape(G, D, [&](auto m, auto d) {
-              attend_pages<scalar_t, decltype(m)::value, decltype(d)::value>(
-                  qb, k, v, pg, ks, kh, vs, vh, sc, ob);
-            }))
-          continue;  // else the two-pass loop, for any G and D
-        if (D == 32)
-          attend<scalar_t, 32>(qb, k, v, pg, G, D, ks, kh, vs, vh, sc, s.data(), ob);
-        else if (D == 64)
-          attend<scalar_t, 64>(qb, k, v, pg, G, D, ks, kh, vs, vh, sc, s.data(), ob);
-        else if (D == 128)
-          attend<scalar_t, 128>(qb, k, v, pg, G, D, ks, kh, vs, vh, sc, s.data(), ob);
-        else
-          attend<scalar_t, 0>(qb, k, v, pg, G, D, ks, kh, vs, vh, sc, s.data(), ob);
+        with_shape(G, D, [&](auto m, auto d) {
+          attend_pages<scalar_t, decltype(m)::value, decltype(d)::value>(qb, k, v, pg, ks, kh, vs,
+                                                                        vh, sc, ob);
+        });
       }
     });
   });
@@ -366,7 +292,7 @@ namespace {
 template <typename T, int64_t DD>
 float page_score(const float* q, const float* qm, const T* mean, const T* lo, const T* hi,
                  int64_t row, int64_t G, int64_t D_) {
-  const int64_t D = DD > 0 ? DD : D_;  // DD > 0: a constant, as in attend
+  const int64_t D = DD > 0 ? DD : D_;  // DD > 0: a constant, so that the loop unrolls
   if (lo == nullptr) {
     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)

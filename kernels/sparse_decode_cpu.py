@@ -14,8 +14,9 @@ What it does:
     2. select_pages_cpu: sparsity.select_pages over centroid or Quest scores, the page metadata
        read in place through the page tables, in one call.
     3. sparse_decode_cpu: attention over the selected pages, read in place in a head-major cache
-       (page_rows views it). Without the kernel: whole pages gathered a chunk of rows at a time,
-       then SDPA.
+       (page_rows views it). Without the kernel, or for a group size or head dim it has no
+       instance for (G in 1-4 and 8, D in 32, 64, 128): whole pages gathered a chunk of rows at a
+       time, then SDPA.
     4. attend_runs_cpu: dense decode over each row's keys where they lie, contiguous per (row,
        KV head) (the engine's lanes), in one pass with a running softmax; None where the kernel
        has no instance for the shape (the caller runs SDPA).
@@ -98,7 +99,8 @@ def sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, sca
         out = ext.sparse_decode(qg if q.dtype == torch.float32 and qg.is_contiguous()
                                 else qg.float().contiguous(), kr, vr, *ints, P, ks, kh, vs, vh,
                                 scale)
-        return out.view(B, H_q, D) if q.dtype == torch.float32 else out.view(B, H_q, D).to(q.dtype)
+        if out is not None:  # None: no instance for this G and head dim; gathered below
+            return out.view(B, H_q, D).to(q.dtype)
     seq_lens, page = seq_lens.long(), sel.long()
     slot_ok = torch.arange(S, device=dev) < n_sel[..., None]
     page_ok = slot_ok & (page * P < seq_lens[:, None, None])  # (B, H_kv, S)

@@ -436,6 +436,20 @@ def test_cpu_sparse_path_equals_the_reference(dtype, H_kv, G, page_size):
         assert torch.equal(decode_attention(**case, finite=True), want)
 
 
+@pytest.mark.parametrize("G,D", [(5, 32), (2, 48)])
+def test_cpu_sparse_path_without_a_kernel_instance_gathers(G, D):
+    """A group size or head dim the C++ kernel has no instance for: the kernel returns None and
+    sparse_decode_cpu takes the gather path, which equals the reference."""
+    case, _, _ = make_case([0, 29, 64], H_kv=2, G=G, D=D, page_size=8, sparse=True, seed=3)
+    hm = {k: head_major(v).nan_to_num(0.5) if k.endswith("cache") else v for k, v in case.items()}
+    if cpu_path.cpu_kernel() is not None:
+        (kr, ks, kh), (vr, vs, vh) = (cpu_path.page_rows(hm[k]) for k in ("k_cache", "v_cache"))
+        q = hm["q"].reshape(3, 2, G, D).contiguous()
+        ints = [hm[k].int().contiguous() for k in ("page_table", "seq_lens", "sel", "n_sel")]
+        assert cpu_path.cpu_kernel().sparse_decode(q, kr, vr, *ints, 8, ks, kh, vs, vh, 1.0) is None
+    assert_close(cpu_path.sparse_decode_cpu(**hm), block_sparse_decode_ref(**case), torch.float32)
+
+
 def test_cpu_sparse_path_chunks_rows(monkeypatch):
     """The gather path splits the batch into chunks that fit SPARSE_CHUNK_BYTES: one row per chunk
     gives what one chunk for all gives."""
