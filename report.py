@@ -49,10 +49,14 @@ def step_lines(rec):
     return f"step {rec['step']:4d}  " + "\n           ".join(line for line in lines if line)
 
 
-def examples(problems, n=3):
-    """Which held-out problems the run shows before and after RL: the easiest, a middle one and the
-    hardest by difficulty (the first ones when problems have no difficulty)."""
-    order = sorted(range(len(problems)), key=lambda i: problems[i].meta.get("difficulty", 0))
+def examples(problems, shown, n=3):
+    """Which held-out problems the run shows before and after RL, from the warm start's greedy
+    {index: (completion, reward)}: the easiest, a middle one and the hardest by difficulty among
+    those it gets wrong (among all, when fewer than n are wrong), so that a reader sees what RL
+    changed; the accuracy tables say how typical they are."""
+    wrong = [i for i, (_, r) in shown.items() if r < 1.0]
+    pool = wrong if len(wrong) >= n else list(shown)
+    order = sorted(pool, key=lambda i: (problems[i].meta.get("difficulty", 0), i))
     return sorted({order[0], order[len(order) // 2], order[-1]})[:n] if order else []
 
 

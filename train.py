@@ -194,13 +194,13 @@ def train(cfg, run, rank, log):
         refresh_rollout(cfg, run)  # the copy was made from the weights before the checkpoint
         log(f"resumed from step {start}")
     elif run.role.trains:
-        picks = examples(run.eval_p)
         with run.amp:
-            history["acc0"], greedy, shown = evaluate(cfg, run, texts=picks)
+            history["acc0"], greedy, shown = evaluate(cfg, run, texts=range(len(run.eval_p)))
             pass1, pass_k = evaluate(cfg, run, k=cfg.group_size) if cfg.eval_sampled else ({}, {})
         history["start"] = {"greedy": greedy, "pass@1": pass1, f"pass@{cfg.group_size}": pass_k}
-        history["examples"] = [{"prompt": run.eval_p[i].prompt, "answer": run.eval_p[i].answer,
-                                "before": shown[i]} for i in picks]
+        history["examples"] = [{"index": i, "prompt": run.eval_p[i].prompt,
+                                "answer": run.eval_p[i].answer, "before": shown[i][0]}
+                               for i in examples(run.eval_p, shown)]
         log(f"held-out accuracy before RL: {history['acc0']:.3f} on {len(run.eval_p)} problems")
     if run.role.split:
         log(f"{len(run.role.trainers)} trainer and {len(run.role.rollouts)} rollout ranks, "
@@ -221,10 +221,10 @@ def train(cfg, run, rank, log):
         with run.amp:
             rec = rl_step(cfg, step, run)
             if run.role.trains and ((step + 1) % cfg.eval_every == 0 or last):
-                rec["acc"], rec["acc_by_difficulty"], shown = evaluate(
-                    cfg, run, texts=examples(run.eval_p) if last else ())
-                for ex, i in zip(history["examples"], examples(run.eval_p)):
-                    ex["after"] = shown.get(i, ex.get("after"))
+                picks = [ex.get("index") for ex in history["examples"]] if last else ()
+                rec["acc"], rec["acc_by_difficulty"], shown = evaluate(cfg, run, texts=picks)
+                for ex in history["examples"]:
+                    ex["after"] = shown.get(ex.get("index"), (ex.get("after"),))[0]
         if not run.role.trains:  # a rollout rank: its figures are the trainers' to log
             continue
         if rec["tokens"]:  # optimizer steps skipped in a row for NaN/inf: a diverged run stops
@@ -441,7 +441,7 @@ def evaluate(cfg, run, k=1, texts=()):
     """Held-out accuracy, scored by the same cascade, each trainer on a slice: greedy by default
     -> (accuracy, {difficulty: accuracy}); with k > 1, k samples per problem at the rollout
     temperature -> ({difficulty: pass@1}, {difficulty: pass@k}). `texts`: indices of problems whose
-    greedy completions to return too (the before/after examples)."""
+    greedy completions to return too, as {index: (completion, reward)} (the before/after examples)."""
     me, n = run.role.me, run.role.n
     mine, scores, shown = list(range(me, len(run.eval_p), n)), [], {}
     engine = run.greedy if k == 1 else Engine(run.greedy.model, temperature=cfg.temperature,
@@ -455,7 +455,8 @@ def evaluate(cfg, run, k=1, texts=()):
         r = torch.tensor(res.rewards).view(-1, k)
         scores += [(run.eval_p[i].meta.get("difficulty"), x.mean().item(), x.max().item())
                    for i, x in zip(chunk, r)]
-        shown.update({i: ro.texts[j * k] for j, i in enumerate(chunk) if i in texts})
+        shown.update({i: (ro.texts[j * k], res.rewards[j * k]) for j, i in enumerate(chunk)
+                      if i in texts})
     scores = [x for part in parallel.gather(scores, n, run.role.group) for x in part]
     shown = {i: t for part in parallel.gather(shown, n, run.role.group) for i, t in part.items()}
     if k > 1:

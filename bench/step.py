@@ -1,8 +1,8 @@
 """
 bench/step.py: one whole RL step, zeros against TRL's GRPOTrainer, side by side in one process.
 
-Both sides start from the embedded default's warm start (the tiny model, an HF folder under
-out/warmstart-cache: zeros reads it with Transformer.from_pretrained, TRL with
+Both sides start from the warm start of configs/sharpen.py (the earlier default, a fixed workload:
+the tiny model, an HF folder under out/warmstart-cache: zeros reads it with Transformer.from_pretrained, TRL with
 AutoModelForCausalLM) and train on the same prompts in the same order: zeros draws them (uniform
 sampling, no dynamic sampling, so every group trains), the bench records each step's draw and hands
 TRL that list, unshuffled. The shapes are the same (16 prompts x 8 rollouts, at most 64 new tokens,
@@ -22,7 +22,7 @@ Simplifications:
        model loading and logging are outside both.
     2. TRL runs on transformers' generate (its default without vLLM), fp32 on the CPU, as zeros
        does.
-    3. The learning rate is the default's (1e-4) on both sides, held constant on TRL's; it does not
+    3. The learning rate is the config's (1e-4) on both sides, held constant on TRL's; it does not
        change the cost of a step.
 
     python -m bench step --threads 1   # about 5 minutes on 2 cores
@@ -40,7 +40,7 @@ import train
 from bench.common import TABLE_HEAD, hardware
 
 INSTALL = "pip install trl"
-BASE = ["--sampler=uniform", "--dynamic_sampling=false", "--prompts_per_step=16",
+BASE = ["configs/sharpen.py", "--sampler=uniform", "--dynamic_sampling=false", "--prompts_per_step=16",
         "--group_size=8", "--max_new_tokens=64", "--temperature=1.0", "--passes=1",
         "--minibatches=1", "--kl_coef=0", "--eval_every=1000", "--n_eval=8",
         "--eval_sampled=false", "--plot=false", "--save_every=1000"]

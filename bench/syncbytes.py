@@ -3,8 +3,8 @@ bench/syncbytes.py: stage 5. The bytes that a bf16 rollout copy's delta ships pe
 full bf16 model's, at learning rates 1e-6, 1e-5 and 1e-4, as the run logs them (sync_bytes,
 sync_full_bytes and sync_changed in metrics.jsonl).
 
-Each run is the embedded default (`python train.py`: the tiny model's warm start on the synthetic
-task) with rollout_copy=bf16. After every optimizer step the copy takes a delta in bf16: only the
+Each run is configs/sharpen.py (the earlier default, a fixed workload: the tiny model's warm start
+on the synthetic task) with rollout_copy=bf16. After every optimizer step the copy takes a delta in bf16: only the
 weights whose bf16 bits changed, checked by checksum against the trainer's cast (sync.Sender and
 Receiver; the disaggregated mode ships the same update). An Adam step moves every fp32 weight, but
 at small learning rates most moves fall below bf16's resolution and leave the copy's bits as they
@@ -16,7 +16,7 @@ Simplifications:
        and the largest step's.
     2. "Full" is the bf16 copy's bytes (the fp32 policy's are twice that).
     3. Held-out evaluation is cut to a few problems; its numbers are not reported.
-    4. The runs write under out/ (removed after), so they share the default's cached warm start
+    4. The runs write under out/ (removed after), so they share that config's cached warm start
        (out/warmstart-cache), built once if it is missing.
 
     python -m bench syncbytes --threads 1   # a few minutes on 2 cores
@@ -37,7 +37,7 @@ def run(quick, cmd):
     """-> the table, head included: one row per learning rate."""
     hw = hardware()
     steps = 2 if quick else 6
-    args = ["--rollout_copy=bf16", "--warmup_steps=0", f"--stop_at={steps}", "--plot=false",
+    args = ["configs/sharpen.py", "--rollout_copy=bf16", "--warmup_steps=0", f"--stop_at={steps}", "--plot=false",
             "--eval_every=1000", "--n_eval=10", "--eval_sampled=false", "--save_every=1000"]
     rows = []
     for lr in RATES:

@@ -1,7 +1,7 @@
 # python train.py configs/longcot.py
 # The CPU long-CoT default for stage 2's sparse decode: the synthetic task at 16 to 24 terms, so a rollout runs to
 # 200-370 cached tokens (25 to 46 pages of 8): long enough for the KV budget to matter, short enough for a CPU.
-# The same 0.8M-parameter model as configs/tiny.py; everything not set here is the Config default.
+# The same 0.8M-parameter model as configs/sharpen.py; everything not set here is the Config default.
 out_dir = "out/longcot"
 task = "synthetic"
 difficulty = (16, 24)
@@ -14,9 +14,9 @@ n_head = 4
 n_kv_head = 2
 ffn = 384
 # warm start: a curriculum. From scratch, 400 SFT steps on chains of 2 to 24 stay on the plateau (final SFT loss
-# 1.29, as the run prints it); from configs/tiny.py's warm start (chains of 2 to 8, built first if needed), 200
+# 1.29, as the run prints it); from configs/sharpen.py's warm start (chains of 2 to 8, built first if needed), 200
 # steps reach 0.11
-sft_init = "configs/tiny.py"
+sft_init = "configs/sharpen.py"
 sft_difficulty = (2, 24)
 sft_steps = 200
 sft_batch = 16

@@ -14,12 +14,20 @@ from warmstart import cache_path
 
 
 def test_held_out_problems_share_no_prompt_with_the_pool_or_the_sft_data():
-    cfg = config.parse_config(["--n_train=3000", "--n_eval=200", "--difficulty=(2,3)", "--sft_steps=100"])
+    # short chains in the "defined" order, where prompts do collide: the filter is not idle
+    cfg = config.parse_config(["--n_train=3000", "--n_eval=200", "--difficulty=(2,3)", "--sft_steps=100",
+                               "--order=defined", "--sft_difficulty=(2,3)", "--eval_difficulty=(2,3)",
+                               "--sft_slip=0"])
     pool, held = load_problems(cfg)
     seen = {p.prompt for p in pool + sft_problems(cfg)}
     assert len(held) == 200 and not ({p.prompt for p in held} & seen)
     raw = make_synthetic(200, cfg.seed + 10_000, (2, 3))  # what the held-out set was before the filter
-    assert {p.prompt for p in raw} & seen  # short chains do collide: the filter is not idle
+    assert {p.prompt for p in raw} & seen
+    # and the default's own sets: held out 2-12, RL pool 2-10, SFT data 2-6
+    cfg = config.parse_config(["--n_train=3000", "--sft_steps=100"])
+    pool, held = load_problems(cfg)
+    assert len(held) == cfg.n_eval and {p.meta["difficulty"] for p in held} == set(range(2, 13))
+    assert not ({p.prompt for p in held} & {p.prompt for p in pool + sft_problems(cfg)})
 
 
 def test_a_run_reports_accuracy_per_difficulty_and_examples(tmp_path, capsys):
@@ -66,3 +74,13 @@ def test_the_equal_rollout_baselines_train_the_warm_start(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert demo.beyond(cfg, {1: 0.5, 2: 1.0, 3: 0.0, 4: 1.0}) == 0.5  # mean above (1, 2)
 
+
+
+def test_the_examples_are_problems_the_warm_start_gets_wrong():
+    probs = make_synthetic(12, 0, (2, 7))
+    shown = {i: (f"t{i}", 1.0 if i % 3 else 0.0) for i in range(12)}  # wrong: 0, 3, 6, 9
+    picks = report.examples(probs, shown)
+    assert len(picks) == 3 and all(shown[i][1] == 0.0 for i in picks)
+    wrong = sorted((probs[i].meta["difficulty"], i) for i in (0, 3, 6, 9))
+    assert wrong[0][1] in picks and wrong[-1][1] in picks  # the easiest and the hardest of them
+    assert len(report.examples(probs, {i: (t, 1.0) for i, (t, _) in shown.items()})) == 3  # none wrong

@@ -165,7 +165,8 @@ def test_nonfinite_loss_skips_the_step_and_keeps_weights():
 
 # -------------------------------------------------------------------- the loop: resume and torchrun
 
-TINY_RUN = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--ffn=64",
+# configs/sharpen.py, shrunk: short chains in the "defined" order, the loop's tests' fixed workload
+TINY_RUN = ["configs/sharpen.py", "--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--ffn=64",
             "--sft_steps=3", "--sft_batch=8", "--n_train=64", "--n_eval=8", "--prompts_per_step=4",
             "--group_size=4", "--max_new_tokens=12", "--steps=4", "--eval_every=100",
             "--plot=false", "--difficulty=(1,2)", "--lr=1e-2", "--passes=2", "--minibatches=2",
