@@ -131,11 +131,13 @@ def plot(history, path):
     ax[0].set(xlabel="step", ylabel="mean reward", title="training reward")
     evals = [r for r in recs if "acc" in r]
     start = (history.get("start") or {}).get("greedy") or {}
-    for d in sorted({int(d) for r in evals for d in r.get("acc_by_difficulty", {})}):
+    diffs = sorted({int(d) for r in evals for d in r.get("acc_by_difficulty", {})})
+    for i, d in enumerate(diffs):  # easy to hard: light to dark
         pts = [(0, start[d])] if d in start else []
         pts += [(r["step"] + 1, r["acc_by_difficulty"].get(str(d), r["acc_by_difficulty"].get(d)))
                 for r in evals]
-        ax[1].plot(*zip(*pts), lw=1, label=f"d={d}")
+        ax[1].plot(*zip(*pts), lw=1, label=f"d={d}",
+                   color=plt.cm.viridis_r(0.1 + 0.9 * i / max(1, len(diffs) - 1)))
     pts = [(0, history["acc0"])] if history["acc0"] is not None else []
     pts += [(r["step"] + 1, r["acc"]) for r in evals]
     if pts:

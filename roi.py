@@ -34,7 +34,7 @@ Simplifications:
        problems from seed + 30,000, Wanda's 128 calibration problems from seed + 40,000, both
        without the held-out prompts (tasks.load_problems' held-out set, the RL loop's).
     4. Masked dense: the zeros are stored, so the masked model is no faster without a 2:4 kernel.
-    5. compare: one seed, one small model (the tiny default's warm start, with a clean teacher:
+    5. compare: one seed, one small model (configs/sharpen.py's warm start, with a clean teacher:
        sft_noise 0). Perplexity is exp(mean NLL of the reference completion tokens given the
        prompt) on the held-out problems; accuracy is greedy, scored by reward.score. SR-STE and
        RoI get the same steps, batch and loss (KL to the dense model by default).
@@ -363,10 +363,11 @@ def mask_with(method, model, tok, n, m, args, data, log):
 
 
 def compare(args, log=print):
-    """Dense, then magnitude, Wanda, SR-STE and RoI at each --nm, on the tiny default's warm start
-    (clean teacher), scored on the RL loop's held-out problems -> rows; writes
+    """Dense, then magnitude, Wanda, SR-STE and RoI at each --nm, on configs/sharpen.py's warm start
+    (the earlier default, with a clean teacher), scored on the RL loop's held-out problems -> rows; writes
     out_dir/compare_<steps>steps.json and .md."""
-    cfg = parse_config([f"--out_dir={args.out_dir}", "--sft_noise=0.0", f"--seed={args.seed}",
+    cfg = parse_config(["configs/sharpen.py", f"--out_dir={args.out_dir}", "--sft_noise=0.0",
+                        f"--seed={args.seed}",
                         f"--n_eval={args.n_eval}"])
     dense, tok = build_policy(cfg, "cpu", log)
     _, problems = load_problems(cfg)
@@ -446,7 +447,7 @@ def load_model(model_dir, device):
 def mask_saved(args, log=print):
     """`learn` and `apply`: mask MODEL_DIR's model and write it, with its tokenizer and nm.json
     (n, m, method), to --out. Perplexity before and after on --eval held-out problems."""
-    cfg = parse_config([f"--seed={args.seed}", f"--n_eval={max(args.eval, 1)}"])
+    cfg = parse_config(["configs/sharpen.py", f"--seed={args.seed}", f"--n_eval={max(args.eval, 1)}"])
     model, tok = load_model(args.model_dir, args.device)
     (n, m), problems = args.nm, load_problems(cfg)[1]
     held, seen = trace_batches(tok, problems[:args.eval], 32), {p.prompt for p in problems}

@@ -10,12 +10,12 @@ threshold (0.86). The result is a plan file that train.py loads as a rollout cop
         # budget), out/hirelc/uniform.json (the best uniform setting there) and the table
     python examples/hirelc.py --out_dir=out/hirelc --threads=1 --write-results   # and the table
         # into bench/RESULTS.md's hirelc block
-    python train.py --rollout_copy=out/hirelc/plan.json --is_correction=tis --threads=1 \\
+    python train.py configs/sharpen.py --rollout_copy=out/hirelc/plan.json --is_correction=tis --threads=1 \\
         --out_dir=out/hirelc/rl-plan                               # RL with the searched copy
     python -m pytest -q tests/test_hirelc.py                       # a two-block smoke search
 
 What one search does, top to bottom:
-    1. The policy: the tiny default's warm start (warmstart.build_policy; cached under
+    1. The policy: configs/sharpen.py's warm start (warmstart.build_policy; cached under
        out/warmstart-cache), or any config's policy (a config file as the first argument).
     2. Sensitivity: the empirical Fisher information, the squared gradients of the trainer's
        policy-gradient loss (group advantages, as update.py) on RL batches that the policy samples
@@ -584,6 +584,8 @@ def parse_args(argv):
 def main(argv):
     args, rest = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if not (rest and rest[0].endswith(".py")):  # the workload its published figures are on
+        rest = ["configs/sharpen.py"] + rest
     cfg = parse_config(rest + [f"--out_dir={args.out_dir}"])
     policy, tok = build_policy(cfg, "cpu", print)
     policy.eval().requires_grad_(False)
