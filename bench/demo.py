@@ -10,7 +10,7 @@ problems per difficulty:
     more SFT  the warm start trained further on as many teacher tokens as the RL run generated, on
               fresh problems of its own SFT range, from the same teacher.
 
-    python -m bench demo --threads 1          # 3 seeds: about 25 minutes on 2 free cores
+    python -m bench demo --threads 1          # 3 seeds: about 36 minutes at 1 thread
     python -m bench demo --quick              # seed 0, a few steps: a smoke run
 
 Simplifications:

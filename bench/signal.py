@@ -10,9 +10,10 @@ refills (refill_tries = 0: groups without spread are dropped and the step trains
 against its own baseline, which runs as many steps as ours' rollouts make.
 
 Simplifications:
-    1. configs/sharpen.py (the earlier default, a fixed workload), stopped at step 12 of its 60-step schedule (`stop_at`: the learning
-       rate of those 12 steps is the real run's) and scored on 500 held-out problems: at 60 steps
-       both arms reach 0.98-1.00, which compares nothing. The baseline stops earlier or later on the
+    1. configs/sharpen.py (the earlier default, a fixed workload), stopped at step 12 of its
+       60-step schedule (`stop_at`: the learning rate of those 12 steps is the real run's) and
+       scored on 500 held-out problems: at 60 steps both arms reach 0.98-1.00, which compares
+       nothing. The baseline stops earlier or later on the
        same schedule.
     2. Each seed's warm start (SFT) is built once, outside the timing, in the cache that every run
        of that seed then reads (the runs' folders share a parent); wall time counts the RL runs.
