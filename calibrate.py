@@ -339,7 +339,7 @@ def calibrated_schedule(cfg, model, tok, pool_ids, log=print):
                              min_count=20, max_new_tokens=cfg.max_new_tokens,
                              temperature=cfg.temperature, page_size=cfg.page_size,
                              topk=cfg.alpha_topk, scorer=cfg.kv_scorer,
-                             dense_layers=cfg.dense_layers,
+                             dense_layers=cfg.dense_layers, rescore_every=cfg.kv_rescore_every,
                              stop=[cfg.stop] if cfg.stop else [])
     log(f"calibrated in {time.perf_counter() - t0:.0f} s: table {sched.table} (pages read per bin "
         f"of {cfg.kv_bin_pages} pages)")
@@ -349,8 +349,9 @@ def calibrated_schedule(cfg, model, tok, pool_ids, log=print):
 def save_schedule(sched, path, cfg):
     with open(path + ".tmp", "w") as f:
         json.dump({**sched.state_dict(), "calibrated_on": {k: getattr(cfg, k) for k in (
-            "model", "task", "difficulty", "page_size", "kv_scorer", "dense_layers",
-            "calib_prompts", "group_size", "temperature", "max_new_tokens", "kv_candidates")}},
+            "model", "task", "difficulty", "page_size", "kv_scorer", "kv_rescore_every",
+            "dense_layers", "calib_prompts", "group_size", "temperature", "max_new_tokens",
+            "kv_candidates")}},
             f, indent=1)
     os.replace(path + ".tmp", path)
 

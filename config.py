@@ -86,6 +86,8 @@ class Config:
     kv_bin_pages: int = 125  # table: bin width in pages (Sparrow: 2,000 tokens = 125 pages of 16)
     # centroid | quest | oracle (true attention mass: a yardstick, reads every key)
     kv_scorer: str = "centroid"
+    # score the pages once in this many decode steps, the steps between reusing those scores
+    kv_rescore_every: int = 1
     dense_layers: int = 2  # the first layers always read every page
     # table budgets: adjust the table online to hold p5 alpha per bin at kv_target
     kv_controller: bool = False
@@ -258,7 +260,7 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update")}
 POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head",
             "n_kv_head", "ffn", "moe_ffn", "prompts_per_step", "max_new_tokens", "page_size",
-            "kv_bin_pages",
+            "kv_bin_pages", "kv_rescore_every",
             "calib_prompts", "distill_lr", "judge_timeout_s", "alpha_topk", "grad_clip", "passes",
             "minibatches", "micro_batch", "lora_alpha", "is_cap", "adv_eps", "eval_every",
             "save_every", "max_skipped")

@@ -139,7 +139,8 @@ def build(cfg, rank, world, dev, role, log):
     stop = [cfg.stop] if cfg.stop else []
     gen = dict(tokenizer=tok, max_new_tokens=cfg.max_new_tokens, stop=stop)
     kv = dict(temperature=cfg.temperature, top_p=cfg.top_p, page_size=cfg.page_size,
-              scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers)
+              scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers,
+              rescore_every=cfg.kv_rescore_every)
     engine = Engine(rollout_model, sparse=budget, record_pages=distill is not None,
                     topk_logprobs=topk, **gen, **kv)
     dense_engine = Engine(rollout_model, **gen, **kv) if cfg.kv_compare_every and budget else None

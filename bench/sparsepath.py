@@ -21,7 +21,9 @@ Simplifications:
        config's but with a context of 8k; decoding is greedy with EOS off, so every row runs to the
        end. Sparse and dense rows may differ in their tokens; the costs are per token.
     2. Every layer is sparse (dense_layers = 0) and the budget is a fraction of the cached pages
-       (always-kept pages included), so r is the read fraction the engine reports.
+       (always-kept pages included), so r is the read fraction the engine reports. The last arm
+       scores the pages once in 4 steps (kv_rescore_every = 4): the steps between select from
+       those scores, which changes the pages read as well as the cost.
     3. The prompt sets the context: decode runs `new` steps after a prompt of the context's length,
        so the cached length moves by new / context during the measurement.
     4. The arms take turns, three times; each arm's fastest round counts (engine.clock is the
@@ -37,6 +39,7 @@ from rollout import Engine
 from sparsity import fraction_budget
 
 FRACTIONS = (0.5, 0.25, 0.125)
+RESCORE = 4  # the last arm: the smallest fraction, its pages scored once in this many steps
 
 
 class _Ids:  # the engine needs a tokenizer only for ids and texts nobody reads here
@@ -56,9 +59,12 @@ def model():
 
 def measure(m, ctx, prompts, groups, new, rounds):
     """{arm: ms per token of decode, attention and selection, and the read fraction}, best round."""
-    arms = {"dense": False, **{f"r = {r:g}": fraction_budget(r) for r in FRACTIONS}}
+    arms = {"dense": (False, 1), **{f"r = {r:g}": (fraction_budget(r), 1) for r in FRACTIONS},
+            f"r = {FRACTIONS[-1]:g}, scored every {RESCORE}": (fraction_budget(FRACTIONS[-1]),
+                                                              RESCORE)}
     engines = {a: Engine(m, _Ids(), max_new_tokens=new, temperature=0.0, page_size=8, sparse=b,
-                         dense_layers=0, eos_ids=[-1]) for a, b in arms.items()}
+                         dense_layers=0, eos_ids=[-1], rescore_every=k)
+               for a, (b, k) in arms.items()}
     best = {}
     for _ in range(rounds):  # the arms take turns: a drifting machine load hits them all
         for a, eng in engines.items():

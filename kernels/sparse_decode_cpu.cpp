@@ -10,7 +10,7 @@
 // (`Online`: a block of keys scored, then their values read; the group's G queries and outputs
 // held in vector registers, G and the head dim being template constants), prefetching the K and
 // V pages a few ahead into L2: a selection jumps around the pool, and the hardware prefetcher
-// only follows runs. Shapes without an instance return None: the caller gathers the pages and
+// only follows long runs. Shapes without an instance return None: the caller gathers the pages and
 // runs SDPA instead.
 //
 // The contract is the Python one (block_sparse_decode.py's docstring), with the cache seen as
@@ -32,7 +32,13 @@
 
 namespace {
 
-constexpr int64_t kAhead = 8;  // pages prefetched ahead (4 and 16 measured about the same)
+// how far ahead the pages are prefetched: 16 KB of K and V (8 pages of 8 fp32 tokens of 32 dims;
+// for pages of 4 KB, 2 pages ahead measured faster than 8)
+constexpr int64_t kAheadBytes = 16384;
+// no prefetch inside a run of this many pages adjacent in memory: the hardware prefetcher follows
+// it, and prefetching it too made a full selection 1.5x slower (shorter runs still want it: the
+// hardware guesses wrong where a selection skips pages)
+constexpr int64_t kRun = 8;
 
 inline void prefetch(const void* p, int64_t bytes) {  // into L2: room for many lines in flight
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 1);
@@ -214,10 +220,14 @@ void attend_pages(const float* q, const T* k, const T* v, const Pages& pg, int64
   const T* vseg[kBlock];  // the block so far: runs of values, kBlock keys at most
   int64_t nseg[kBlock], nb = 0;
   int segs = 0;
+  const int64_t ahead = std::clamp<int64_t>(kAheadBytes / (2 * P * D * sizeof(T)), 1, 8);
+  int64_t run = 0;  // pages adjacent in memory, up to page j + ahead
   for (int64_t j = 0; j < pg.n_sel; ++j) {
-    if (j + kAhead < pg.n_sel && pg.tokens(j + kAhead)) {
-      prefetch(k + pg.row(j + kAhead, ks, kh) * P * D, P * D * sizeof(T));
-      prefetch(v + pg.row(j + kAhead, vs, vh) * P * D, P * D * sizeof(T));
+    if (j + ahead < pg.n_sel && j + ahead > 0)
+      run = pg.row(j + ahead, ks, kh) == pg.row(j + ahead - 1, ks, kh) + ks ? run + 1 : 0;
+    if (j + ahead < pg.n_sel && pg.tokens(j + ahead) && run < kRun) {
+      prefetch(k + pg.row(j + ahead, ks, kh) * P * D, P * D * sizeof(T));
+      prefetch(v + pg.row(j + ahead, vs, vh) * P * D, P * D * sizeof(T));
     }
     const int64_t c = pg.tokens(j);
     const T *kp = k + pg.row(j, ks, kh) * P * D, *vp = v + pg.row(j, vs, vh) * P * D;
@@ -313,16 +323,20 @@ float page_score(const float* q, const float* qm, const T* mean, const T* lo, co
   return best;
 }
 
+constexpr float kUnscored = 3.0e38f;  // finite: the kernels are built with -ffast-math
+
 }  // namespace
 
 // sparsity.select_pages over centroid or Quest scores, for every (row, KV head) at once, the
 // metadata read in place through the page tables: q (B, H, G, D) float32; meta (num_pages, H, D)
 // of one layer, [kmean] or [kmin, kmax]; page_table (B, max_pages), n_pages, n_full, n_read (B,)
-// contiguous int32 -> sel (B, H, S) int32 ascending, zero-padded
+// contiguous int32 -> sel (B, H, S) int32 ascending, zero-padded. `scores` (B, H, W) float32
+// contiguous, W >= the pages of every row: with rescore, the pages' scores are written there
+// (+inf for a page not full yet); without, they are read from there and meta is not read
 torch::Tensor select_pages(torch::Tensor q, std::vector<torch::Tensor> meta,
                            torch::Tensor page_table, torch::Tensor n_pages, torch::Tensor n_full,
                            torch::Tensor n_read, int64_t keep_first, int64_t keep_recent,
-                           int64_t S) {
+                           int64_t S, c10::optional<torch::Tensor> scores, bool rescore) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 (B, H, G, D) tensor");
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
@@ -335,6 +349,17 @@ torch::Tensor select_pages(torch::Tensor q, std::vector<torch::Tensor> meta,
     TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(),
                 "page_table and the counts must be contiguous int32");
   const int64_t max_pages = page_table.size(1);
+  float* kept_scores = nullptr;  // (B, H, W): written (rescore) or read
+  int64_t W = 0;
+  if (scores.has_value()) {
+    TORCH_CHECK(scores->dim() == 3 && scores->size(0) == B && scores->size(1) == H &&
+                    scores->scalar_type() == at::kFloat && scores->is_contiguous(),
+                "scores must be a contiguous float32 (B, H, W) tensor");
+    kept_scores = scores->data_ptr<float>();
+    W = scores->size(2);
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(n_pages.data_ptr<int32_t>()[b] <= W, "scores is narrower than a row's pages");
+  }
   auto sel = torch::zeros({B, H, S}, page_table.options());
   const int32_t *tab = page_table.data_ptr<int32_t>(), *np = n_pages.data_ptr<int32_t>();
   const int32_t *nf = n_full.data_ptr<int32_t>(), *nr = n_read.data_ptr<int32_t>();
@@ -355,22 +380,29 @@ torch::Tensor select_pages(torch::Tensor q, std::vector<torch::Tensor> meta,
           for (int64_t g = 0; g < G; ++g) x += qb[g * D + d];
           qm[d] = x / G;
         }
-        // always read: the first keep_first, the last keep_recent and the partial last page
         take.assign(n, 0);
         cand.clear();
         int64_t kept = 0;
         for (int64_t j = 0; j < n; ++j) {
-          if (j < keep_first || j >= n - keep_recent || j >= nf[b]) {
+          const bool keep = j < keep_first || j >= n - keep_recent || j >= nf[b];
+          const bool store = kept_scores && rescore;  // every full page's score, kept or not
+          float score = 0.f;
+          if (kept_scores && !rescore) {  // the scores of an earlier step
+            score = kept_scores[bh * W + j];
+          } else if (!keep || (store && j < nf[b])) {
+            const int64_t row = tab[b * max_pages + j] * H + h;
+            const scalar_t* lo = m1 ? m0 : nullptr;
+            score = D == 32    ? page_score<scalar_t, 32>(qb, qm.data(), m0, lo, m1, row, G, D)
+                    : D == 64  ? page_score<scalar_t, 64>(qb, qm.data(), m0, lo, m1, row, G, D)
+                    : D == 128 ? page_score<scalar_t, 128>(qb, qm.data(), m0, lo, m1, row, G, D)
+                               : page_score<scalar_t, 0>(qb, qm.data(), m0, lo, m1, row, G, D);
+          }
+          // a page not full yet has no score: the largest float, so it is read until rescored
+          if (store) kept_scores[bh * W + j] = j < nf[b] ? score : kUnscored;
+          if (keep) {  // always read: the first keep_first, the last keep_recent, the partial
             take[j] = 1;
             ++kept;
           } else {
-            const int64_t row = tab[b * max_pages + j] * H + h;
-            const scalar_t* lo = m1 ? m0 : nullptr;
-            const float score =
-                D == 32    ? page_score<scalar_t, 32>(qb, qm.data(), m0, lo, m1, row, G, D)
-                : D == 64  ? page_score<scalar_t, 64>(qb, qm.data(), m0, lo, m1, row, G, D)
-                : D == 128 ? page_score<scalar_t, 128>(qb, qm.data(), m0, lo, m1, row, G, D)
-                           : page_score<scalar_t, 0>(qb, qm.data(), m0, lo, m1, row, G, D);
             cand.emplace_back(score, static_cast<int32_t>(j));
           }
         }

@@ -39,17 +39,25 @@ from kernels.cpu_ext import load_cpu_ext
 SPARSE_CHUNK_BYTES = 1 << 19
 
 
+# the stored score of a page that was not full when scored (the C++ kernel's kUnscored): it is read
+# until the next rescoring, as a page that fills between two scorings must be
+UNSCORED = 3.0e38
+
+
 def cpu_kernel():
     """The C++ kernel of sparse_decode_cpu.cpp, built on first use (kernels/cpu_ext.py), or None."""
     return load_cpu_ext("sparse_decode_cpu")
 
 
 def select_pages_cpu(q, meta, page_table, n_pages, n_full, n_read, keep_first=1, keep_recent=2,
-                     max_read=None):
+                     max_read=None, scores=None, rescore=True):
     """sparsity.select_pages over centroid_scores (meta = [kmean]) or quest_scores ([kmin, kmax])
     in one C++ call, the layer's page metadata (num_pages, H_kv, D) read in place through the page
     tables: no gather and no small tensor ops per layer. Same arguments and result (ties between
-    equal scores may break the other way); None without the C++ kernel."""
+    equal scores may break the other way); None without the C++ kernel. `scores` (B, H_kv, W)
+    float32, contiguous: with rescore=True every full page's score is written there (UNSCORED for
+    a page not full yet); with rescore=False the selection reads them there instead of scoring
+    (the engine's kv_rescore_every)."""
     ext = cpu_kernel()
     if ext is None:
         return None
@@ -59,7 +67,7 @@ def select_pages_cpu(q, meta, page_table, n_pages, n_full, n_read, keep_first=1,
     n_pages, n_full, n_read = (x.int().contiguous() for x in (n_pages, n_full, n_read))
     sel = ext.select_pages(q.reshape(B, H, H_q // H, D).float().contiguous(), list(meta),
                            page_table.int().contiguous(), n_pages, n_full, n_read, keep_first,
-                           keep_recent, k)
+                           keep_recent, k, scores, rescore)
     return sel, n_read[:, None].expand(B, H).contiguous()
 
 

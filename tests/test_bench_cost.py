@@ -43,3 +43,15 @@ def test_rows_have_seven_columns(monkeypatch):
     for r in rows:
         cells = r.strip("|").split(" | ")
         assert len(cells) == 7 and cells[3].endswith("x") and all(c.strip() for c in cells[:4]), r
+
+
+def test_pagereads_times_every_selection_against_dense():
+    from bench import pagereads
+    lines = pagereads.run(True, "python -m bench pagereads --quick")
+    if len(lines) == 1:  # no C++ kernel here: the section says so and times nothing
+        assert "did not build" in lines[0]
+        return
+    rows = [line.split(" | ") for line in lines if line.startswith("| 8 ") or line.startswith("| 32 ")]
+    # per page size: dense, random at r = 1, then random and one run at r = 1/2, 1/4, 1/8
+    assert len(rows) == 2 * 8 and all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows)
+    assert [r[2] for r in rows[:3]] == ["dense kernel", "random", "random"]

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # calibrate.py and roi.py (which build the policy as a run would); report.py; what builds a run; the
 # stages; the leaves.
 ORDER = ["train", "calibrate", "roi", "report", "warmstart", "parallel", "checkpoint", "distill",
-         "update", "copies", "sync", "rollout", "kernels.block_sparse_decode",
+         "update", "copies", "sync", "rollout", "kvcache", "kernels.block_sparse_decode",
          "kernels.sparse_decode_cpu", "sparsity",
          "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers",
          "model", "moe", "kernels.linear_cpu", "kernels.cpu_ext", "config"]

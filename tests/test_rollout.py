@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import kvcache
 import rollout
 from model import ModelConfig, Transformer
 from rollout import Engine, generate_naive, sample
@@ -246,7 +247,7 @@ def test_engine_feeds_the_triton_kernel_what_it_expects(monkeypatch):
     m, tok = tiny_model(), CharTok()
     kw = dict(max_new_tokens=4, temperature=0.0, page_size=4, sparse=fraction_budget(0.5), dense_layers=1)
     want = Engine(m, tok, **kw).generate(RAGGED, 2)
-    monkeypatch.setattr(rollout, "decode_attention", functools.partial(bsd.decode_attention, use_triton=True))
+    monkeypatch.setattr(kvcache, "decode_attention", functools.partial(bsd.decode_attention, use_triton=True))
     got = Engine(m, tok, **kw).generate(RAGGED, 2)
     assert torch.equal(got.tokens, want.tokens) and torch.allclose(got.logp, want.logp, atol=1e-5, rtol=0)
 

@@ -164,7 +164,7 @@ def test_full_budget_selection_through_decode_attention_equals_sdpa():
 def test_cpu_selection_equals_select_pages(scorer):
     """select_pages_cpu (the C++ kernel: scores read in place through the page tables) picks what
     select_pages picks from the gathered scores, at budgets from the kept pages to everything."""
-    from kernels.sparse_decode_cpu import cpu_kernel, select_pages_cpu
+    from kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu
     if cpu_kernel() is None:
         pytest.skip("the C++ CPU kernel did not build here")
     gen = torch.Generator().manual_seed(2)
@@ -182,13 +182,27 @@ def test_cpu_selection_equals_select_pages(scorer):
         want = select_pages(score(q, *(m[table.long()] for m in meta)), n_pages, n_full, n_read)
         got = select_pages_cpu(q, meta, table, n_pages, n_full, n_read)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        # rescoring: the same pick, and every full page's score kept (UNSCORED past them)
+        kept = torch.zeros(B, H, 10)
+        got = select_pages_cpu(q, meta, table, n_pages, n_full, n_read, scores=kept)
+        assert torch.equal(got[0], want[0])
+        full = torch.arange(10) < n_full[:, None, None]
+        exact = score(q, *(m[table.long()] for m in meta)).masked_fill(~full, UNSCORED)
+        real = torch.arange(10) < n_pages[:, None, None]  # past a row's pages: left as they were
+        assert torch.allclose(kept[real.expand_as(kept)], exact[real.expand_as(kept)], rtol=1e-5)
+        # and a step that reuses them picks what select_pages picks from them, reading no meta
+        later = select_pages_cpu(q, [torch.full_like(m, float("nan")) for m in meta], table,
+                                 n_pages, n_full, n_read, scores=kept, rescore=False)
+        assert torch.equal(later[0], select_pages(kept, n_pages, n_full, n_read)[0])
 
 
-def test_engine_cpu_fast_path_equals_the_reference_path(monkeypatch):
+@pytest.mark.parametrize("every", [1, 3])
+def test_engine_cpu_fast_path_equals_the_reference_path(monkeypatch, every):
     """A sparse engine on the CPU fast path (C++ selection and attention, or the gather path
     without a compiler) generates what it generates on the reference path (scores gathered per
     row, select_pages, block_sparse_decode_ref): the same tokens, log-probs within 1e-5."""
     import kernels.block_sparse_decode as bsd
+    import kvcache
     import rollout
     from model import ModelConfig, Transformer
 
@@ -206,13 +220,72 @@ def test_engine_cpu_fast_path_equals_the_reference_path(monkeypatch):
     prompts = [[5, 9, 2, 7] * 9, [3] * 13, [11, 12, 13] * 7]
     kw = dict(max_new_tokens=12, temperature=0.0, page_size=4, dense_layers=0, eos_ids=[-1])
     for scorer in ("centroid", "quest"):
-        eng = lambda: rollout.Engine(m, Ids(), sparse=fraction_budget(0.4), scorer=scorer, **kw)
+        eng = lambda: rollout.Engine(m, Ids(), sparse=fraction_budget(0.4), scorer=scorer,
+                                     rescore_every=every, **kw)
         fast = eng().generate(prompts, group_size=2)
         with monkeypatch.context() as mp:
-            mp.setattr(rollout, "cpu_kernel", lambda: None)  # selection: gathered scores
-            mp.setattr(rollout, "decode_attention",  # attention: the reference
+            mp.setattr(kvcache, "cpu_kernel", lambda: None)  # selection: gathered scores
+            mp.setattr(kvcache, "decode_attention",  # attention: the reference
                        lambda *a, finite=False, **k: bsd.decode_attention(*a, **k))
             ref = eng().generate(prompts, group_size=2)
         assert ref.timings["pages_read"] < 0.7 * ref.timings["pages_dense"]  # truly sparse
         assert torch.equal(fast.tokens, ref.tokens) and torch.equal(fast.budget, ref.budget)
         assert torch.allclose(fast.logp, ref.logp, atol=1e-5, rtol=0)
+
+
+def test_rescoring_every_k_steps_scores_at_steps_1_k_plus_1_and_reuses_between(monkeypatch):
+    """kv_rescore_every: the page metadata is read at decode steps 1, k + 1, ... only; between, the
+    selection reads the kept scores, and a page that filled since is read (UNSCORED) until the
+    next scoring."""
+    import kvcache
+    import rollout
+    from kernels.sparse_decode_cpu import UNSCORED
+    from model import ModelConfig, Transformer
+
+    class Ids:
+        pad_token_id, eos_token_id = 0, None
+
+        def batch_decode(self, rows, skip_special_tokens=True):
+            return ["" for _ in rows]
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256)
+    m = Transformer(cfg).eval()
+    calls = []
+    real = kvcache.select_pages_cpu
+
+    def spy(*a, scores=None, rescore=True, **k):
+        out = real(*a, scores=scores, rescore=rescore, **k)
+        calls.append((rescore, scores.clone()))  # after the call: what a rescoring wrote
+        return out
+
+    monkeypatch.setattr(kvcache, "select_pages_cpu", spy)
+    eng = rollout.Engine(m, Ids(), sparse=fraction_budget(0.3), rescore_every=4, max_new_tokens=9,
+                         temperature=0.0, page_size=4, dense_layers=0, eos_ids=[-1],
+                         record_pages=True)
+    ro = eng.generate([[5, 9, 2, 7] * 9], group_size=2)
+    if not calls:
+        pytest.skip("the C++ CPU kernel did not build here")
+    # layer 0 of each step that selects (two sparse layers a step). 36 prompt tokens in pages of
+    # 4; a step whose rows and page counts are the last one's takes its pick, no call: steps 2
+    # and 3 (and 6, 7) do; step 4 fills page 10 (reuse: it stays read, UNSCORED), step 5
+    # rescores, step 8 fills page 11
+    flags = [r for r, _ in calls[::2]]
+    assert flags == [True, False, True, False]
+    assert torch.equal(calls[0][1], calls[2][1])  # step 4 reads what step 1 scored
+    assert (calls[2][1][:, :, 9] == UNSCORED).all() and (calls[4][1][:, :, 9] < 1e30).all()
+    # taking the last pick changes nothing: without it (a new key every step), the same pages
+    begin = rollout.PagedKVCache.begin_decode
+
+    def no_reuse(self, rows):
+        begin(self, rows)
+        self._key = object()
+
+    monkeypatch.setattr(rollout.PagedKVCache, "begin_decode", no_reuse)
+    again = eng.generate([[5, 9, 2, 7] * 9], group_size=2)
+    assert len(calls) == 4 * 2 + 8 * 2  # every step selects now
+    assert torch.equal(again.read_pages, ro.read_pages) and torch.equal(again.tokens, ro.tokens)
+    with pytest.raises(ValueError, match="rescore_every"):
+        rollout.Engine(m, Ids(), rescore_every=0, eos_ids=[-1])

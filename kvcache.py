@@ -1,0 +1,339 @@
+"""
+kvcache.py: stage 2, the paged KV cache that rollout.py's engine generates over: pages, page
+tables, lanes, the shared prompt's pages, and the decode step's attention, dense or over the pages
+a sparse selection picks.
+
+    cache = PagedKVCache(model.config, num_seqs, max_pages, num_pages, page_size, dtype, device,
+                         budget=fraction_budget(1 / 8), scorer="centroid", rescore_every=1)
+    cache.begin_prefill(groups)  # [(prompt length, rows)]: a shared prompt's full pages stored once
+    cache.begin_decode(rows)     # one new token per live row: the step's index tensors
+    model(tokens, cache=cache)   # the model calls cache.positions, cache.attend, cache.advance
+
+The engine (rollout.Engine) makes one per generate call and drives it; the model reaches it through
+`positions`, `attend` (each layer) and `advance`.
+
+What it holds:
+    1. K and V pools, head-major (L, H_kv, num_pages * page_size, D): a KV head's token slots are
+       contiguous. A prefix slot per shared prompt, then a lane per row that its own pages fill in
+       order, so the live rows' own tokens are one strided view; rows move from the last lanes into
+       those that finished rows free (`_compact`, CPU). Capped by `num_pages`, the pool hands out
+       pages from a free list instead.
+    2. Page tables on the host (lists) and the device (one int32 tensor), reference counts (a
+       shared prompt page has one per row), and, for sparse decode, each full page's metadata (mean
+       key; min and max keys for Quest), written once, when the page fills.
+    3. Decode attention (`attend`): the new token's key and value go to the row's last page; dense
+       on a CPU reads the lanes in place and each shared prompt once per group (merged by
+       log-sum-exp); sparse layers read the pages that `_select` picks (sparsity.select_pages over
+       the scorer's page scores, or the C++ kernel's one call), through `decode_attention`.
+    4. Rescoring (rescore_every = k > 1, centroid or Quest): the pages are scored at decode steps 1,
+       k + 1, 2k + 1, ... and the kept scores (L, N, H_kv, max_pages) serve the steps between; a
+       page that filled since has none (UNSCORED) and is read until the next scoring, and a step
+       whose rows and page counts are the last one's takes that step's pick as it is.
+
+Simplifications:
+    1. Page bookkeeping lives on the host as Python lists; the device gets a few small index
+       tensors per step (`begin_decode`), which every layer shares.
+    2. The sparse budget is per row, the same in every sparse layer and KV head; the first
+       `dense_layers` layers read every page.
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots, prefix_index,
+                                         shared_prefix_decode)
+from kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu
+from moe import record_routes
+from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,
+                      select_pages)
+
+
+class PagedKVCache:
+    """K and V pools, a page table per sequence (logical -> physical page), reference counts, and
+    lanes = (S prefix slots of P pages, R pages a row) or a free list (lanes=None). The engine lays
+    out a forward (`begin_prefill`, `begin_decode`); the model calls positions, attend, advance."""
+
+    def __init__(self, cfg, num_seqs, max_pages, num_pages, page_size, dtype, device, budget=None,
+                 scorer="centroid", keep_first=1, keep_recent=2, dense_layers=2, lanes=None,
+                 rescore_every=1):
+        L, self.H, self.D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.page_size, self.num_pages, self.lanes = page_size, num_pages, lanes
+        # (L, H_kv, num_pages * page_size, D): head-major, so that a run of token slots of one
+        # KV head is contiguous memory; `paged` shows a layer in the kernel's layout
+        self.k = torch.zeros(L, self.H, num_pages * page_size, self.D, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        meta = (L, num_pages, self.H, self.D)  # page metadata, kept only where a selection reads it
+        self.kmean = torch.zeros(meta, dtype=dtype, device=device) if budget is not None else None
+        quest = budget is not None and scorer == "quest"
+        self.kmin = torch.zeros(meta, dtype=dtype, device=device) if quest else None
+        self.kmax = torch.zeros(meta, dtype=dtype, device=device) if quest else None
+        # (N, max_pages) the device copy of every page table: logical page -> physical page id
+        self.table = torch.zeros(num_seqs, max_pages, dtype=torch.int32, device=device)
+        self.pages = [[] for _ in range(num_seqs)]  # the host's copy of each page table
+        self.n_shared = [0] * num_seqs  # the shared prompt pages that open each page table
+        self.lens = [0] * num_seqs  # tokens cached per sequence
+        self.refs = [0] * num_pages  # sequences holding each page: a shared prompt page has G
+        # the free list (pop() hands out low ids first), or, with lanes, each row's lane
+        self.free = list(range(num_pages - 1, -1, -1)) if lanes is None else None
+        self.lane = list(range(num_seqs)) if lanes is not None else None
+        self.prefixes = []  # (shared tokens, rows) of the shared prompt in each prefix slot
+        self.used = self.peak = 0  # pages held now, and at most
+        self.budget, self.scorer, self.dense_layers = budget, scorer, dense_layers
+        self.keep_first, self.keep_recent = keep_first, keep_recent
+        # page scores kept between rescorings (rescore_every > 1): (L, N, H_kv, max_pages) fp32
+        self.rescore_every, self.scores, self._last = rescore_every, None, {}
+        if budget is not None and rescore_every > 1 and scorer != "oracle":
+            self.scores = torch.full((L, num_seqs, self.H, max_pages), UNSCORED, device=device)
+        self.record = None  # a list to record (step, rows, layer, sel, n_sel) of every selection
+        self.clock, self.routes = None, record_routes(None, 0)  # the engine's hooks (Engine.clock)
+        self._laid = None  # the rows the lanes' index tensors were built for
+
+    # ---- bookkeeping
+
+    def _take(self, p, holders):
+        """Hold page p (None: the free list's next) for `holders` sequences."""
+        if p is None:
+            if not self.free:
+                raise RuntimeError(f"the KV pool is out of pages ({self.num_pages}): raise "
+                                   f"Engine(num_pages=...) or leave it None")
+            p = self.free.pop()
+        self.refs[p], self.used = holders, self.used + 1
+        self.peak = max(self.peak, self.used)
+        return p
+
+    def _lane_page(self, seq, i):  # page i of the lane of sequence seq
+        return self.lanes[0] * self.lanes[1] + self.lane[seq] * self.lanes[2] + i
+
+    def _alloc(self, seq):
+        """The next page of `seq`'s own: the next one of its lane, or the free list's."""
+        own = len(self.pages[seq]) - self.n_shared[seq]
+        self.pages[seq].append(self._take(self._lane_page(seq, own) if self.lanes else None, 1))
+        return self.pages[seq][-1]
+
+    def release(self, seq):
+        """A finished sequence gives its pages back (a shared one when its last holder leaves)."""
+        for p in self.pages[seq]:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.used -= 1
+                if self.free is not None:
+                    self.free.append(p)
+        self.pages[seq] = []
+
+    def _compact(self, rows):
+        """Lanes: the live rows in lanes >= B = len(rows) move to those below B that rows left."""
+        holes = sorted(set(range(len(rows))) - {self.lane[r] for r in rows})
+        src, dst = [], []  # pages
+        for r, lane in zip([r for r in rows if self.lane[r] >= len(rows)], holes):
+            n, self.lane[r] = self.n_shared[r], lane
+            src += self.pages[r][n:]
+            self.pages[r][n:] = [self._lane_page(r, i) for i in range(len(self.pages[r]) - n)]
+            dst += self.pages[r][n:]
+            self.table[r, n:len(self.pages[r])] = torch.tensor(self.pages[r][n:])
+        s, d = (torch.tensor(x, dtype=torch.long, device=self.table.device) for x in (src, dst))
+        for pool in (self.k, self.v):
+            pages = pool.unflatten(2, (-1, self.page_size))  # (L, H_kv, pages, page_size, D)
+            pages[:, :, d] = pages[:, :, s]
+        for meta in filter(lambda t: t is not None, (self.kmean, self.kmin, self.kmax)):
+            meta[:, d] = meta[:, s]  # (L, pages, H_kv, D)
+        for a, b in zip(src, dst):
+            self.refs[a], self.refs[b] = 0, 1
+
+    def paged(self, pool, layer):  # a layer of self.k or .v as (num_pages, page_size, H_kv, D)
+        return pool[layer].view(self.H, -1, self.page_size, self.D).permute(1, 2, 0, 3)
+
+    def _write_meta(self, layer, pages):
+        """Metadata of the pages that just filled (index tensor), read by every later step."""
+        if pages is None or self.kmean is None:
+            return
+        mean, lo, hi = page_metadata(self.paged(self.k, layer)[pages], self.kmin is not None)
+        self.kmean[layer][pages] = mean.to(self.kmean.dtype)
+        if lo is not None:
+            self.kmin[layer][pages], self.kmax[layer][pages] = (lo.to(self.kmin.dtype),
+                                                                hi.to(self.kmax.dtype))
+
+    # ---- laying out a forward
+
+    def begin_prefill(self, groups):
+        """groups[i] = (length, rows): batch row i is a prompt whose KV belongs to all of `rows`.
+        Shared by several rows, its full pages are stored once (refs = len(rows)) and its partial
+        last page once per row (eager copy-on-write); a prompt of one row is all its own."""
+        ps, dev = self.page_size, self.table.device
+        src_b, src_t, dst, full = [], [], [], []
+
+        def store(i, t, pages, first):  # tokens t of batch row i go to pages from token first
+            src_b.append(torch.full_like(t, i))
+            src_t.append(t)
+            dst.append(torch.tensor(pages, dtype=torch.long)[(t - first) // ps] * ps + t % ps)
+        for i, (L, rows) in enumerate(groups):
+            n_sh = L // ps if len(rows) > 1 else 0
+            first = len(self.prefixes) * (self.lanes[1] if self.lanes else 0)  # its prefix slot
+            shared = [self._take(first + j if self.lanes else None, len(rows)) for j in range(n_sh)]
+            self.prefixes += [(n_sh * ps, rows)] if n_sh else []
+            store(i, torch.arange(n_sh * ps), shared, 0)
+            own = torch.arange(n_sh * ps, L)  # the tokens each row stores for itself
+            for r in rows:
+                self.pages[r], self.n_shared[r] = list(shared), n_sh
+                mine = [self._alloc(r) for _ in range(-(-len(own) // ps))]
+                store(i, own, mine, n_sh * ps)
+                self.lens[r] = L
+                self.table[r, :len(self.pages[r])] = torch.tensor(self.pages[r], dtype=torch.int32)
+                full += mine[:len(own) // ps]
+            full += shared
+        self._mode, self._B, self._groups = "prefill", len(groups), groups
+        self._scatter = [torch.cat(x).to(dev) for x in (src_b, src_t, dst)]
+        self._filled = torch.tensor(full, dtype=torch.long, device=dev) if full else None
+
+    def begin_decode(self, rows):
+        """One new token for each live sequence in `rows`: open a page where the last one is full,
+        then build the step's index tensors, which every layer shares."""
+        ps, dev, cpu = self.page_size, self.table.device, not self.table.is_cuda
+        if self.lanes is not None and cpu and rows != self._laid:  # rows left since last step
+            self._compact(rows)  # (a GPU reads through the page tables: lanes need no order)
+        opened = [(r, len(self.pages[r]), self._alloc(r)) for r in rows if self.lens[r] % ps == 0]
+        if opened:  # one scatter for all the new pages: the device table follows the host's lists
+            r, j, p = (torch.tensor(x) for x in zip(*opened))
+            self.table[r.to(dev), j.to(dev)] = p.to(dev, torch.int32)
+        lens = [self.lens[r] for r in rows]  # before the new token: its position
+        last = [self.pages[r][n // ps] for r, n in zip(rows, lens)]  # the new token's page
+        self.n_pages = [n // ps + 1 for n in lens]  # pages cached once the new token is in
+        n_full = [(n + 1) // ps for n in lens]
+        filled = [p for p, n in zip(last, lens) if (n + 1) % ps == 0]
+        self._mode, self._rows = "decode", rows
+        self._rows_t = torch.tensor(rows, device=dev)
+        self._pos = torch.tensor(lens, device=dev)[:, None]  # (B, 1)
+        # (B,) flat slot (page * page_size + offset) that each new token's K and V go to
+        self._dst = torch.tensor([p * ps + n % ps for p, n in zip(last, lens)], device=dev)
+        self._seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev) + 1  # (B,) new one in
+        # (B, P) the live rows' tables, cut to the pages in use: P = the longest row's page count
+        self._table = self.table[torch.tensor(rows, device=dev), :max(self.n_pages)]
+        # CPU dense decode without lanes gathers every cached token: slots built once, all layers
+        gather = cpu and self.lanes is None
+        self._slots = dense_slots(self._table, self._seq_lens, ps) if gather else None
+        if self.lanes is not None and cpu:
+            self._lay_lanes(rows, lens)
+        self._filled = torch.tensor(filled, dtype=torch.long, device=dev) if filled else None
+        self.n_read = self.n_pages
+        if self.budget is not None:
+            self.n_read = [pages_to_read(self.budget, n, f, self.keep_first, self.keep_recent)
+                           for n, f in zip(self.n_pages, n_full)]
+            self._counts = [torch.tensor(x, dtype=torch.int32, device=dev)
+                            for x in (self.n_pages, n_full, self.n_read)]
+            self._key = (tuple(rows), tuple(self.n_pages), tuple(n_full), tuple(self.n_read))
+
+    def _lay_lanes(self, rows, lens):
+        """The index tensors of `_attend_lanes`, rebuilt when the live rows change: lane order, own
+        tokens per lane (+1 a step), the shared prompts' queries (prefix_index) and lengths."""
+        B, dev = len(rows), self.table.device
+        if rows != self._laid:
+            self._laid, lane = list(rows), [self.lane[r] for r in rows]  # a permutation of 0..B-1
+            self._lane = torch.tensor(lane, device=dev)  # live row j sits in lane lane[j]
+            order = sorted(range(B), key=lane.__getitem__)  # the live row in each lane
+            self._by_lane = None if order == list(range(B)) else torch.tensor(order, device=dev)
+            own = [lens[j] - self.n_shared[rows[j]] * self.page_size for j in order]
+            self._own_max, self._steps = max(own), 0
+            self._own_base = None if min(own) == max(own) else torch.tensor(own, device=dev)
+            slot = {r: s for s, (_, rs) in enumerate(self.prefixes) for r in rs}
+            self._pre = prefix_index([slot.get(rows[j], -1) for j in order],
+                                     [n for n, _ in self.prefixes], dev)
+        self._steps += 1  # the new token
+        self._own = self._own_max + self._steps
+        self._own_lens = None if self._own_base is None else self._own_base + self._steps
+
+    # ---- what the model calls
+
+    def positions(self, T):
+        if self._mode == "prefill":
+            return torch.arange(T, device=self.table.device).expand(self._B, T)
+        return self._pos
+
+    def attend(self, layer, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
+        kp, vp = self.k[layer], self.v[layer]  # (Hkv, num_pages * page_size, D)
+        if self._mode == "prefill":
+            b, t, dst = self._scatter  # causal SDPA, and token t of batch row b into slot dst
+            kp.index_copy_(1, dst, k[b, :, t].transpose(0, 1).to(kp.dtype))
+            vp.index_copy_(1, dst, v[b, :, t].transpose(0, 1).to(vp.dtype))
+            self._write_meta(layer, self._filled)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        # the new token first: it attends to itself; (Hkv, B, D) into B token slots
+        kp.index_copy_(1, self._dst, k[:, :, 0].transpose(0, 1).to(kp.dtype))
+        vp.index_copy_(1, self._dst, v[:, :, 0].transpose(0, 1).to(vp.dtype))
+        self._write_meta(layer, self._filled)  # before selecting: a page that fills is scored now
+        sel = n_sel = None  # dense: every page
+        t0 = time.perf_counter()
+        if self.budget is not None and layer >= self.dense_layers:
+            sel, n_sel = self._select(layer, q[:, :, 0])
+            t0 = self._tick("select", t0)
+            if self.record is not None:
+                self.record.append((self.step, self._rows, layer, sel, n_sel))
+        if sel is None and self.lanes is not None and not q.is_cuda:
+            y = self._attend_lanes(kp, vp, q[:, :, 0])
+        else:
+            y = decode_attention(q[:, :, 0], self.paged(self.k, layer), self.paged(self.v, layer),
+                                 self._table, self._seq_lens, sel, n_sel, slots=self._slots,
+                                 finite=True)  # the pool starts at zero: no NaN to mask
+        self._tick("attn", t0)
+        return y[:, :, None]  # (B, Hq, 1, D)
+
+    def _tick(self, name, t0):
+        """Engine.clock, the bench's timer: adds the seconds since t0 to clock[name]; -> now."""
+        now = time.perf_counter()
+        if self.clock is not None:
+            self.clock[name] += now - t0
+        return now
+
+    def _attend_lanes(self, kp, vp, q):  # kp, vp (Hkv, slots, D); q (B, Hq, D) -> (B, Hq, D)
+        """CPU dense decode on the lanes: the live rows' own tokens are one strided view of the
+        pool, read in place; a shared prompt is read once per group, merged by log-sum-exp."""
+        (S, P, R), ps, H, D, B = self.lanes, self.page_size, self.H, self.D, q.shape[0]
+        # (n, Hkv, T, D) views, no copy: n runs of `size` token slots from slot `first`, cut to T
+        runs = lambda t, first, n, size, T: (t[:, first:first + n * size].view(H, n, size, D)
+                                             [:, :, :T].transpose(0, 1))
+        qg = q.view(B, H, -1, D)  # the G query heads of each KV head as G queries
+        if self._by_lane is not None:  # rows moved by _compact: q in lane order, and back below
+            qg = qg.index_select(0, self._by_lane)
+        own = [runs(t, S * P * ps, B, R * ps, self._own) for t in (kp, vp)]
+        if self._pre is None:
+            y = attend_rows(qg, *own, self._own_lens)
+        else:
+            pre = [runs(t, 0, S, P * ps, self._pre[0]) for t in (kp, vp)]
+            y = shared_prefix_decode(qg, *own, self._own_lens, *pre, self._pre)
+        return (y if self._by_lane is None else y.index_select(0, self._lane)).view(B, -1, D)
+
+    def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
+        meta = [m[layer] for m in (self.kmin, self.kmax) if m is not None] or [self.kmean[layer]]
+        args = (*self._counts, self.keep_first, self.keep_recent, max(self.n_read))
+        kept, rescore = None, (self.step - 1) % self.rescore_every == 0  # steps count from 1
+        last = self._last.get(layer)
+        if self.scores is not None and not rescore and last is not None and last[0] == self._key:
+            return last[1]  # the same scores, pages and budgets as the step before: its pick
+        if self.scores is not None:  # the live rows' scores, as the last rescoring left them
+            kept = self.scores[layer].index_select(0, self._rows_t)[:, :, :self._table.shape[1]]
+            kept = kept.contiguous()
+        if self.scorer != "oracle" and not q.is_cuda and cpu_kernel() is not None:
+            sel = select_pages_cpu(q, meta, self._table, *args, scores=kept, rescore=rescore)
+        else:
+            phys = self._table.long()  # (B, P); entries past a row's pages: stale, masked later
+            if kept is not None and not rescore:
+                scores = kept
+            elif self.scorer == "oracle":  # the yardstick: every key read, the true mass per page
+                scores = oracle_scores(q, self.paged(self.k, layer)[phys], self._seq_lens)
+            else:  # gathered through the page tables
+                scores = (centroid_scores, quest_scores)[len(meta) - 1](q, *(m[phys] for m in meta))
+                if kept is not None:  # pages not full yet: read until the next rescoring
+                    full = torch.arange(kept.shape[2], device=q.device) < self._counts[1][:, None]
+                    kept.copy_(scores.float().masked_fill(~full[:, None], UNSCORED))
+            sel = select_pages(scores, *args)
+        if kept is not None:
+            if rescore:
+                self.scores[layer, :, :, :kept.shape[2]].index_copy_(0, self._rows_t, kept)
+            self._last[layer] = (self._key, sel)
+        return sel
+
+    def advance(self, T):
+        self.routes.add(self._mode, self._groups if self._mode == "prefill" else self._rows)  # MoE
+        if self._mode == "decode":
+            for r in self._rows:
+                self.lens[r] += T
