@@ -10,8 +10,9 @@ same prompts, same weights and seed, every 5 steps). Writes assets/sparrow.png (
 alpha per bin).
 
 Simplifications:
-    1. alpha is the per-token acceptance rate min(1, p_dense / p_sparse) that the run logs; p5 is
-       its 5th percentile, per bin and over all tokens.
+    1. alpha is Sparrow's per-position acceptance rate that the run logs (1 - TV between the
+       sparse rollout's and the dense policy's next-token distributions, exact over this small
+       vocabulary), over every generated row; p5 is its 5th percentile, per bin and over all tokens.
     2. The warm start that `python train.py configs/longcot.py` cached in out/longcot is reused when
        present; otherwise the first run builds it and the others copy it.
     3. The runs' policies differ (each trains on its own rollouts), so per-bin figures across runs
@@ -62,8 +63,8 @@ def summary(history):
     return {"reward0": nanmean([r["reward"] for r in recs[:k]]),
             "reward1": nanmean([r["reward"] for r in recs[-k:]]),
             "acc0": history["acc0"], "acc": [r["acc"] for r in recs if "acc" in r][-1],
-            "alpha": nanmean([r["alpha_mean"] for r in recs]),
-            "p5": nanmean([r["alpha_p5"] for r in recs]),
+            "alpha": nanmean([r.get("alpha_mean", float("nan")) for r in recs]),  # dense: none
+            "p5": nanmean([r.get("alpha_p5", float("nan")) for r in recs]),
             "bins": per_bin, "kv_read": nanmean([r["kv_read"] for r in recs]),
             "gen_s": sum(r["gen_s"] for r in recs), "tokens": sum(r["new_tokens"] for r in recs),
             "speedup": nanmean(speed), "n_speed": len(speed), "table": recs[-1].get("kv_table"),
@@ -126,8 +127,9 @@ def run(quick, cmd):
     for name, s in results.items():
         ms = 1e3 * s["gen_s"] / s["tokens"]
         speed = f"{s['speedup']:.2f}x ({s['n_speed']} steps)" if s["n_speed"] else "-"
+        tail = "-" if s["alpha"] != s["alpha"] else f"{s['alpha']:.3f} / {s['p5']:.3f}"  # dense
         rows.append(f"| {name} | {s['reward0']:.3f} -> {s['reward1']:.3f} | "
-                    f"{s['acc0']:.3f} -> {s['acc']:.3f} | {s['alpha']:.3f} / {s['p5']:.3f} | "
+                    f"{s['acc0']:.3f} -> {s['acc']:.3f} | {tail} | "
                     f"{fmt_bins(s['bins']['mean'])} | {fmt_bins(s['bins']['p5'])} | "
                     f"{s['kv_read']:.2f} | {ms:.2f} ms ({dense_ms / ms:.2f}x) | {speed} | "
                     f"{s['table'] or '-'} |")

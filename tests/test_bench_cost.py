@@ -55,3 +55,13 @@ def test_pagereads_times_every_selection_against_dense():
     # per page size: dense, random at r = 1, then random and one run at r = 1/2, 1/4, 1/8
     assert len(rows) == 2 * 8 and all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows)
     assert [r[2] for r in rows[:3]] == ["dense kernel", "random", "random"]
+
+
+def test_sparrow_summary_takes_a_dense_run_that_measures_no_alpha():
+    from bench import sparrow
+    recs = [{"step": i, "reward": 0.1 * i, "kv_read": 1.0, "gen_s": 1.0, "new_tokens": 10}
+            for i in range(5)]
+    recs[-1]["acc"] = 0.5
+    s = sparrow.summary({"records": recs, "acc0": 0.25})
+    assert s["alpha"] != s["alpha"] and s["p5"] != s["p5"]  # NaN: nothing measured
+    assert s["acc"] == 0.5 and s["tokens"] == 50 and s["bins"] == {"mean": [], "p5": []}
