@@ -18,7 +18,7 @@ Simplifications:
     3. The runs' policies differ (each trains on its own rollouts), so per-bin figures across runs
        are noisy; tests/test_distill.py checks DistillSparse on a fixed batch.
 
-    python -m bench sparrow --threads 1       # about 25 minutes on 2 cores
+    python -m bench sparrow --threads 1       # about 15 minutes at 1 thread
     python -m bench sparrow --quick           # 4 steps, a short warm start: a smoke run
 """
 
