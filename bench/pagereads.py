@@ -4,8 +4,9 @@ sparse decode kernel alone (kernels/sparse_decode_cpu.cpp, no engine and no sele
 fraction r of each row's KV pages, against dense decode's kernel reading all of them, from memory
 that is not in the caches. Two selections at each r: pages drawn at random (sorted, as a selection
 is), and the same number of pages as one contiguous run (the best layout any selection could
-have). If the random selection costs far more than r of dense while the run costs about r, the
-gap is what the memory system charges for jumping, not the kernel's work.
+have), and between them runs of 4 adjacent pages at random places (what a selection that picks
+neighbours together would read). If the random selection costs far more than r of dense while the
+run costs about r, the gap is what the memory system charges for jumping, not the kernel's work.
 
     python -m bench pagereads --threads 1    # about 2 minutes
     python -m bench pagereads --quick        # smaller pools, one round: a smoke run
@@ -27,6 +28,13 @@ from bench.common import hardware
 from kernels.sparse_decode_cpu import attend_runs_cpu, cpu_kernel, sparse_decode_cpu
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
+RUN = 4  # the middle selection: runs of this many adjacent pages, placed at random
+
+
+def runs_at_random(P, n, run, gen):
+    """n of P page ids (ascending) in runs of `run` adjacent pages, aligned, at random places."""
+    starts = torch.randperm(P // run, generator=gen)[:max(1, n // run)] * run
+    return (starts[:, None] + torch.arange(run)).flatten().sort().values[:n]
 
 
 def timed(fn, pools, rounds):
@@ -72,11 +80,12 @@ def run(quick, cmd):
         for r in FRACTIONS:
             n = max(1, round(P * r))
             picks = {"random": lambda: torch.randperm(P, generator=gen)[:n].sort().values,
+                     f"runs of {RUN}": lambda: runs_at_random(P, n, RUN, gen),
                      "one run": lambda: torch.arange(n) + torch.randint(0, P - n + 1, (1,),
                                                                         generator=gen)}
             for name, pick in picks.items():
-                if r == 1.0 and name == "one run":
-                    continue  # every page: the two are the same
+                if r == 1.0 and name != "random":
+                    continue  # every page: the same selection
                 sel = torch.stack([torch.stack([pick() for _ in range(H)]) for _ in range(B)])
                 sel, n_sel = sel.int(), torch.full((B, H), n, dtype=torch.int32)
 
@@ -88,5 +97,5 @@ def run(quick, cmd):
                 lines.append(f"| {ps} | {r:g} | {name} | {1e3 * t:.3f} | "
                              f"{full * n / P / t / 1e9:.1f} | {t / t_dense:.2f} | "
                              f"{n / P + 0.15:.2f} |")
-        print("\n".join(lines[-8:]), flush=True)
+        print("\n".join(lines[-11:]), flush=True)
     return lines
