@@ -23,7 +23,9 @@ Simplifications:
     2. Every layer is sparse (dense_layers = 0) and the budget is a fraction of the cached pages
        (always-kept pages included), so r is the read fraction the engine reports. The last arm
        scores the pages once in 4 steps (kv_rescore_every = 4): the steps between select from
-       those scores, which changes the pages read as well as the cost.
+       those scores, which changes the pages read as well as the cost. The last two take pages of
+       32 tokens (selection at a coarser grain: fewer pages to score, longer runs to read), against
+       the same dense arm (pages of 8: dense decode reads each row's lane as one run either way).
     3. The prompt sets the context: decode runs `new` steps after a prompt of the context's length,
        so the cached length moves by new / context during the measurement.
     4. The arms take turns, three times; each arm's fastest round counts (engine.clock is the
@@ -39,7 +41,8 @@ from rollout import Engine
 from sparsity import fraction_budget
 
 FRACTIONS = (0.5, 0.25, 0.125)
-RESCORE = 4  # the last arm: the smallest fraction, its pages scored once in this many steps
+RESCORE = 4  # arms at the smallest fraction: its pages scored once in this many steps
+BIG = 32  # and pages of this many tokens (4 KB of keys per KV head) instead of 8
 
 
 class _Ids:  # the engine needs a tokenizer only for ids and texts nobody reads here
@@ -59,12 +62,15 @@ def model():
 
 def measure(m, ctx, prompts, groups, new, rounds):
     """{arm: ms per token of decode, attention and selection, and the read fraction}, best round."""
-    arms = {"dense": (False, 1), **{f"r = {r:g}": (fraction_budget(r), 1) for r in FRACTIONS},
-            f"r = {FRACTIONS[-1]:g}, scored every {RESCORE}": (fraction_budget(FRACTIONS[-1]),
-                                                              RESCORE)}
-    engines = {a: Engine(m, _Ids(), max_new_tokens=new, temperature=0.0, page_size=8, sparse=b,
+    r = FRACTIONS[-1]
+    arms = {"dense": (False, 1, 8),
+            **{f"r = {f:g}": (fraction_budget(f), 1, 8) for f in FRACTIONS},
+            f"r = {r:g}, scored every {RESCORE}": (fraction_budget(r), RESCORE, 8),
+            f"r = {r:g}, pages of {BIG}": (fraction_budget(r), 1, BIG),
+            f"r = {r:g}, pages of {BIG}, scored every {RESCORE}": (fraction_budget(r), RESCORE, BIG)}
+    engines = {a: Engine(m, _Ids(), max_new_tokens=new, temperature=0.0, page_size=ps, sparse=b,
                          dense_layers=0, eos_ids=[-1], rescore_every=k)
-               for a, (b, k) in arms.items()}
+               for a, (b, k, ps) in arms.items()}
     best = {}
     for _ in range(rounds):  # the arms take turns: a drifting machine load hits them all
         for a, eng in engines.items():

@@ -35,6 +35,9 @@ namespace {
 // how far ahead the pages are prefetched: 16 KB of K and V (8 pages of 8 fp32 tokens of 32 dims;
 // for pages of 4 KB, 2 pages ahead measured faster than 8)
 constexpr int64_t kAheadBytes = 16384;
+// tokens read (and prefetched ahead) a pass: one slice of a page (1 KB of fp32 keys of 32 dims);
+// in slices, pages of 4 KB at random read 1.2x faster than prefetched whole
+constexpr int64_t kSlice = 8;
 // no prefetch inside a run of this many pages adjacent in memory: the hardware prefetcher follows
 // it, and prefetching it too made a full selection 1.5x slower (shorter runs still want it: the
 // hardware guesses wrong where a selection skips pages)
@@ -225,14 +228,20 @@ void attend_pages(const float* q, const T* k, const T* v, const Pages& pg, int64
   for (int64_t j = 0; j < pg.n_sel; ++j) {
     if (j + ahead < pg.n_sel && j + ahead > 0)
       run = pg.row(j + ahead, ks, kh) == pg.row(j + ahead - 1, ks, kh) + ks ? run + 1 : 0;
-    if (j + ahead < pg.n_sel && pg.tokens(j + ahead) && run < kRun) {
-      prefetch(k + pg.row(j + ahead, ks, kh) * P * D, P * D * sizeof(T));
-      prefetch(v + pg.row(j + ahead, vs, vh) * P * D, P * D * sizeof(T));
-    }
+    const bool pf = j + ahead < pg.n_sel && pg.tokens(j + ahead) && run < kRun;
+    const T* kn = pf ? k + pg.row(j + ahead, ks, kh) * P * D : nullptr;  // prefetched, a slice
+    const T* vn = pf ? v + pg.row(j + ahead, vs, vh) * P * D : nullptr;  // at a time (below)
     const int64_t c = pg.tokens(j);
     const T *kp = k + pg.row(j, ks, kh) * P * D, *vp = v + pg.row(j, vs, vh) * P * D;
     for (int64_t t0 = 0; t0 < c;) {  // pages fill blocks of kBlock keys: one rescale a block
-      const int64_t take = std::min(c - t0, kBlock - nb);
+      // at most kSlice tokens a pass: the page ahead is prefetched by the same slices, so that
+      // a large page's prefetches spread over its reading instead of coming in one burst
+      const int64_t take = std::min({c - t0, kBlock - nb, kSlice});
+      if (pf) {
+        const int64_t bytes = (t0 + take < c ? take : P - t0) * D * sizeof(T);
+        prefetch(kn + t0 * D, bytes);
+        prefetch(vn + t0 * D, bytes);
+      }
       acc.score(kp + t0 * D, nb, take);
       vseg[segs] = vp + t0 * D;
       nseg[segs++] = take;
