@@ -84,6 +84,7 @@ class PagedKVCache:
         self.keep_first, self.keep_recent = keep_first, keep_recent
         # page scores kept between rescorings (rescore_every > 1): (L, N, H_kv, max_pages) fp32
         self.rescore_every, self.scores, self._last = rescore_every, None, {}
+        self.step = 1  # the decode step (the completion position it produces), set by the engine
         if budget is not None and rescore_every > 1 and scorer != "oracle":
             self.scores = torch.full((L, num_seqs, self.H, max_pages), UNSCORED, device=device)
         self.record = None  # a list to record (step, rows, layer, sel, n_sel) of every selection
