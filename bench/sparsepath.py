@@ -6,7 +6,7 @@ with the same model, prompts and batch. The target: attention plus selection at 
 times dense attention. Also the share of dense decode time that attention takes at each context:
 what sparse attention can save at most.
 
-    python -m bench sparsepath --threads 1       # about 10 minutes on one core
+    python -m bench sparsepath --threads 1       # about 20 minutes on one core
     python -m bench sparsepath --quick           # 1k only, fewer rows: a smoke run
 
 Two kinds of context, because dense decode reads them differently:
@@ -23,9 +23,11 @@ Simplifications:
     2. Every layer is sparse (dense_layers = 0) and the budget is a fraction of the cached pages
        (always-kept pages included), so r is the read fraction the engine reports. The last arm
        scores the pages once in 4 steps (kv_rescore_every = 4): the steps between select from
-       those scores, which changes the pages read as well as the cost. The last two take pages of
-       32 tokens (selection at a coarser grain: fewer pages to score, longer runs to read), against
-       the same dense arm (pages of 8: dense decode reads each row's lane as one run either way).
+       those scores, which changes the pages read as well as the cost. The last three take pages of
+       32 and 64 tokens (selection at a coarser grain: fewer pages to score, longer runs to read),
+       against the same dense arm (pages of 8: dense decode reads each row's lane as one run either
+       way). At 1k tokens the kept pages (the first, the last two and the partial one) are already
+       a quarter of 16 pages of 64, so r there is larger.
     3. The prompt sets the context: decode runs `new` steps after a prompt of the context's length,
        so the cached length moves by new / context during the measurement.
     4. The arms take turns, three times; each arm's fastest round counts (engine.clock is the
@@ -42,7 +44,7 @@ from sparsity import fraction_budget
 
 FRACTIONS = (0.5, 0.25, 0.125)
 RESCORE = 4  # arms at the smallest fraction: its pages scored once in this many steps
-BIG = 32  # and pages of this many tokens (4 KB of keys per KV head) instead of 8
+BIG = 32  # and pages of this many tokens (4 KB of keys per KV head) and twice that, instead of 8
 
 
 class _Ids:  # the engine needs a tokenizer only for ids and texts nobody reads here
@@ -67,7 +69,8 @@ def measure(m, ctx, prompts, groups, new, rounds):
             **{f"r = {f:g}": (fraction_budget(f), 1, 8) for f in FRACTIONS},
             f"r = {r:g}, scored every {RESCORE}": (fraction_budget(r), RESCORE, 8),
             f"r = {r:g}, pages of {BIG}": (fraction_budget(r), 1, BIG),
-            f"r = {r:g}, pages of {BIG}, scored every {RESCORE}": (fraction_budget(r), RESCORE, BIG)}
+            **{f"r = {r:g}, pages of {ps}, scored every {RESCORE}":
+               (fraction_budget(r), RESCORE, ps) for ps in (BIG, 2 * BIG)}}
     engines = {a: Engine(m, _Ids(), max_new_tokens=new, temperature=0.0, page_size=ps, sparse=b,
                          dense_layers=0, eos_ids=[-1], rescore_every=k)
                for a, (b, k, ps) in arms.items()}
