@@ -203,7 +203,6 @@ class PagedKVCache:
         n_full = [(n + 1) // ps for n in lens]
         filled = [p for p, n in zip(last, lens) if (n + 1) % ps == 0]
         self._mode, self._rows = "decode", rows
-        self._rows_t = torch.tensor(rows, device=dev)
         self._pos = torch.tensor(lens, device=dev)[:, None]  # (B, 1)
         # (B,) flat slot (page * page_size + offset) that each new token's K and V go to
         self._dst = torch.tensor([p * ps + n % ps for p, n in zip(last, lens)], device=dev)
@@ -222,6 +221,8 @@ class PagedKVCache:
                            for n, f in zip(self.n_pages, n_full)]
             self._counts = [torch.tensor(x, dtype=torch.int32, device=dev)
                             for x in (self.n_pages, n_full, self.n_read)]
+        if self.scores is not None:  # kv_rescore_every: the rows' scores and the step's key
+            self._rows_t = torch.tensor(rows, device=dev)
             self._key = (tuple(rows), tuple(self.n_pages), tuple(n_full), tuple(self.n_read))
 
     def _lay_lanes(self, rows, lens):

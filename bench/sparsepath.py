@@ -36,7 +36,7 @@ Simplifications:
 
 import torch
 
-from bench.common import hardware
+from bench.common import _Ids, hardware
 from kernels.sparse_decode_cpu import cpu_kernel
 from model import ModelConfig, Transformer
 from rollout import Engine
@@ -45,13 +45,6 @@ from sparsity import fraction_budget
 FRACTIONS = (0.5, 0.25, 0.125)
 RESCORE = 4  # arms at the smallest fraction: its pages scored once in this many steps
 BIG = 32  # and pages of this many tokens (4 KB of keys per KV head) and twice that, instead of 8
-
-
-class _Ids:  # the engine needs a tokenizer only for ids and texts nobody reads here
-    pad_token_id, eos_token_id = 0, None
-
-    def batch_decode(self, rows, skip_special_tokens=True):
-        return ["" for _ in rows]
 
 
 def model():

@@ -196,6 +196,23 @@ def test_cpu_selection_equals_select_pages(scorer):
         assert torch.equal(later[0], select_pages(kept, n_pages, n_full, n_read)[0])
 
 
+class Ids:  # the engine's tokenizer, for token ids only
+    pad_token_id, eos_token_id = 0, None
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return ["" for _ in rows]
+
+
+def _small_model():
+    """A random 2-layer Qwen3-shaped model with GQA (4 query heads on 2 KV heads of 16)."""
+    from model import ModelConfig, Transformer
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256)
+    return Transformer(cfg).eval()
+
+
 @pytest.mark.parametrize("every", [1, 3])
 def test_engine_cpu_fast_path_equals_the_reference_path(monkeypatch, every):
     """A sparse engine on the CPU fast path (C++ selection and attention, or the gather path
@@ -204,19 +221,7 @@ def test_engine_cpu_fast_path_equals_the_reference_path(monkeypatch, every):
     import kernels.block_sparse_decode as bsd
     import kvcache
     import rollout
-    from model import ModelConfig, Transformer
-
-    class Ids:  # token ids only
-        pad_token_id, eos_token_id = 0, None
-
-        def batch_decode(self, rows, skip_special_tokens=True):
-            return ["" for _ in rows]
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256)
-    m = Transformer(cfg).eval()
+    m = _small_model()
     prompts = [[5, 9, 2, 7] * 9, [3] * 13, [11, 12, 13] * 7]
     kw = dict(max_new_tokens=12, temperature=0.0, page_size=4, dense_layers=0, eos_ids=[-1])
     for scorer in ("centroid", "quest"):
@@ -240,19 +245,7 @@ def test_rescoring_every_k_steps_scores_at_steps_1_k_plus_1_and_reuses_between(m
     import kvcache
     import rollout
     from kernels.sparse_decode_cpu import UNSCORED
-    from model import ModelConfig, Transformer
-
-    class Ids:
-        pad_token_id, eos_token_id = 0, None
-
-        def batch_decode(self, rows, skip_special_tokens=True):
-            return ["" for _ in rows]
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=256)
-    m = Transformer(cfg).eval()
+    m = _small_model()
     calls = []
     real = kvcache.select_pages_cpu
 
