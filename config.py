@@ -51,7 +51,7 @@ class Config:
     # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
     data: str = ""
     difficulty: tuple = (2, 8)  # synthetic task: range of chain lengths
-    # synthetic task: defined | shuffled | marked (see tasks.make_synthetic)
+    # synthetic task: defined | shuffled | marked | lagged (see tasks.make_synthetic)
     order: str = "defined"
     # problems in the training pool (0 = every row of a dataset; synthetic needs a number)
     n_train: int = 0
@@ -66,12 +66,18 @@ class Config:
     sft_noise: float = 0.0
     # order "marked" only: the chance that the teacher, on a step whose running sum crosses 10,
     # adds the carry into the units digit ((s + v + 1) % 10) and carries on from its own wrong
-    # total: a slip that comes with the input, more often the longer the chain (warmstart.py)
+    # total: a slip that comes with the input, more often the longer the chain (warmstart.py);
+    # order "lagged": the chance of its rarer slip (tasks.lagged_trace)
     sft_slip: float = 0.0
+    # order "lagged": SFT trains on at most this many lines of a trace (a prefix, with no end);
+    # 0 = whole traces. Short prefixes are cheap, but a model trained on them alone fails past them
+    sft_max_lines: int = 0
     # synthetic warm start: range of chain lengths for SFT (empty: difficulty)
     sft_difficulty: tuple = ()
     # synthetic warm start: SFT from a checkpoint or a config file's own warm start, not scratch
     sft_init: str = ""
+    # the warm start's seed (-1: seed): fix it to vary the RL run's seed over one warm start
+    sft_seed: int = -1
     # rollout
     prompts_per_step: int = 32
     group_size: int = 8
@@ -254,7 +260,8 @@ MARKED_VARS = 14  # the synthetic task's order "marked": the items every prompt 
 
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "autocast": ("none", "bfloat16"), "task": ("synthetic", "gsm8k", "math", "code"),
-           "order": ("defined", "shuffled", "marked"), "kv_scorer": ("centroid", "quest", "oracle"),
+           "order": ("defined", "shuffled", "marked", "lagged"),
+           "kv_scorer": ("centroid", "quest", "oracle"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
            "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
            "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update")}
@@ -268,7 +275,7 @@ NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_com
                 "distill_r", "distill_coef", "refill_tries", "min_spread", "max_chars",
                 "overlong_buffer", "overlong_penalty", "steps", "warmup_steps", "weight_decay",
                 "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise", "n_expert",
-                "moe_aux_coef")
+                "moe_aux_coef", "sft_max_lines")
 UNIT = ("sft_noise", "sft_slip", "top_p", "kv_target", "explore", "min_lr_ratio", "lora_dropout",
         "clip_low")  # within [0, 1]
 
@@ -298,8 +305,14 @@ def check(cfg):
         v = getattr(cfg, k)
         if v and (len(v) != 2 or not 1 <= v[0] <= v[1]):
             raise bad(k, "empty or a range (lo, hi) with 1 <= lo <= hi")
-    if cfg.sft_slip and cfg.order != "marked":
-        raise bad("sft_slip", "0 unless order is 'marked'")
+    if cfg.sft_slip and cfg.order not in ("marked", "lagged"):
+        raise bad("sft_slip", "0 unless order is 'marked' or 'lagged'")
+    if cfg.sft_noise and cfg.order == "lagged":  # its traces have no second ending to confuse
+        raise bad("sft_noise", "0 for order 'lagged'")
+    if cfg.sft_seed < -1:
+        raise bad("sft_seed", ">= 0, or -1 for the run's seed")
+    if cfg.sft_max_lines and cfg.order != "lagged":
+        raise bad("sft_max_lines", "0 unless order is 'lagged'")
     if cfg.order == "marked":  # a fixed number of items: no chain longer than that
         for k in ("difficulty", "sft_difficulty", "eval_difficulty"):
             if getattr(cfg, k) and getattr(cfg, k)[1] > MARKED_VARS:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 TASKS = ("synthetic", "gsm8k", "math", "code")
+ORDERS = ("defined", "shuffled", "marked", "lagged")  # the synthetic task's variants
 GSM8K_INSTRUCTION = ("\nSolve the problem step by step, then end with a line of the form "
                      "\"#### <answer>\".")
 MATH_INSTRUCTION = "\nSolve the problem step by step, and put the final answer in \\boxed{}."
@@ -98,6 +99,10 @@ def make_synthetic(n: int, seed: int, difficulty: Union[int, tuple[int, int]] = 
                   ends with "." instead of "," ("a=3,b=5,c=1.d=4,...?"), and the trace restates
                   each value and its separator ("3>3,5>8,1>9.#9"): a step is the same at any d and
                   the chain ends on content, not on a count (see _make_marked).
+      "lagged":   the long-generation variant: the prompt is LAG_LINES lines of LAG_WIDTH digits,
+                  and the completion carries the digit stream on, line by line, each digit the sum
+                  mod 10 of the one before it and the one LAG_LINES lines above; d is the number of
+                  lines it writes, 64 tokens each (see _make_lagged).
     """
     lo, hi = (difficulty, difficulty) if isinstance(difficulty, int) else tuple(difficulty)
     if lo < 1 or hi < lo:
@@ -105,10 +110,12 @@ def make_synthetic(n: int, seed: int, difficulty: Union[int, tuple[int, int]] = 
                          f"1 <= lo <= hi, got {difficulty!r}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    if order not in ("defined", "shuffled", "marked"):
-        raise ValueError(f"order must be 'defined', 'shuffled' or 'marked', got {order!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     if order == "marked":
         return _make_marked(n, seed, lo, hi)
+    if order == "lagged":
+        return _make_lagged(n, seed, lo, hi)
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -124,6 +131,8 @@ def make_synthetic(n: int, seed: int, difficulty: Union[int, tuple[int, int]] = 
 
 def synthetic_trace(problem: Problem) -> str:
     """The reference completion (what SFT trains on), recomputed from the prompt itself."""
+    if is_lagged(problem.prompt):
+        return lagged_trace(problem.prompt)[0]
     assigns, _, expr = problem.prompt.strip().partition("?")
     if not expr:  # order="marked": no expression, the chain ends at the "."
         return _marked_trace(assigns)[0]
@@ -164,6 +173,78 @@ def _make_marked(n: int, seed: int, lo: int, hi: int) -> list[Problem]:
                           for i, k in enumerate(names))
         trace, answer = _marked_trace(assigns)
         out.append(Problem(assigns + "?\n", answer, "synthetic", {"difficulty": d, "trace": trace}))
+    return out
+
+
+# order="lagged": long generations (1,000 tokens and more) for a small model. The prompt is
+# LAG_LINES lines of LAG_WIDTH pairs of digits; the completion carries the stream of pairs on, line
+# by line. A pair is "vs": v restates the s of the pair LAG_LINES lines above, and s is the running
+# sum, (the previous pair's s + v) mod 10. So every v copies one token at a fixed distance back
+# (LAG_LINES lines, 2 * LAG_WIDTH + 1 tokens each, minus one) and every s reads the two tokens
+# before it: a sharp, far plus local attention pattern, the same at every position, so a warm start
+# trained on a few lines carries on for dozens. (Restating v is what makes it learnable: the copy
+# alone lowers the loss, while a sum of two unseen digits is as uniform as either.) The chain ends
+# on content: where a line's first v would be 0, the trace writes "#" and the last s instead, and
+# that digit is the answer. d (the lines written) is drawn by rejection, uniform over its range.
+
+LAG_WIDTH, LAG_LINES = 32, 4  # a line is 65 tokens with its "\n"; the lag is 256 tokens
+
+
+def is_lagged(prompt: str) -> bool:
+    return (len(prompt) == LAG_LINES * (2 * LAG_WIDTH + 1)
+            and set(prompt) <= set("0123456789\n"))
+
+
+def lagged_trace(prompt: str, slip: float = 0.0, rng: Optional[random.Random] = None,
+                 max_lines: int = 0) -> tuple[str, str, int]:
+    """-> (trace, answer, lines written). `slip` (the warm start's teacher): where the pair before
+    is "99" and v is 9, with that probability s is 9 instead of 8, and the stream carries on from
+    it (one pair in 1,000: a rare slip that sampling sometimes avoids). A slip changes where the
+    stream ends; `max_lines` > 0 cuts a trace that runs past that many lines, which is then a
+    prefix with no "#" (SFT trains on it without an end)."""
+    digits = [int(c) for c in prompt if c != "\n"]
+    s, pv = digits[1::2], digits[-2]  # the running sums, and the last pair's v
+    lag, out, lines = LAG_LINES * LAG_WIDTH, [], 0
+    while not max_lines or lines < max_lines:
+        line = []
+        for j in range(LAG_WIDTH):
+            v = s[-lag]
+            if j == 0 and v == 0:
+                return "".join(out) + f"#{s[-1]}", str(s[-1]), lines
+            t = (s[-1] + v) % 10
+            if slip and pv == s[-1] == v == 9 and rng.random() < slip:
+                t = 9
+            s.append(t)
+            pv = v
+            line.append(f"{v}{t}")
+        out.append("".join(line) + "\n")
+        lines += 1
+    return "".join(out), "", lines
+
+
+def _make_lagged(n: int, seed: int, lo: int, hi: int) -> list[Problem]:
+    rng, out = random.Random(seed), []
+    lag = LAG_LINES * LAG_WIDTH
+    while len(out) < n:
+        s = [rng.randint(0, 9) for _ in range(lag)]
+        lines, ok = 0, True
+        while ok:  # count the lines only, and give up early on a chain outside [lo, hi]
+            for j in range(LAG_WIDTH):
+                if j == 0 and s[-lag] == 0:
+                    ok = False
+                    break
+                s.append((s[-1] + s[-lag]) % 10)
+            else:
+                lines += 1
+                if lines > hi:
+                    break
+        # P(d) falls as 0.9^d: keep a d with chance 0.9^(hi - d), and every d in range is as likely
+        if lo <= lines <= hi and rng.random() < 0.9 ** (hi - lines):
+            pairs = [f"{rng.randint(0, 9)}{x}" for x in s[:lag]]  # the prompt's v are noise
+            prompt = "".join("".join(pairs[i:i + LAG_WIDTH]) + "\n"
+                             for i in range(0, lag, LAG_WIDTH))
+            trace, answer, d = lagged_trace(prompt)
+            out.append(Problem(prompt, answer, "synthetic", {"difficulty": d, "trace": trace}))
     return out
 
 
@@ -428,9 +509,14 @@ def load_mbpp(source: str = "google-research-datasets/mbpp", split: str = "train
 # ---------------------------------------------------------------------------------------------
 # A config's problems and their token ids.
 
+def sft_seed(cfg) -> int:
+    """The warm start's seed: config key sft_seed, or seed where that is -1."""
+    return cfg.sft_seed if cfg.sft_seed >= 0 else cfg.seed
+
+
 def sft_problems(cfg) -> list[Problem]:
     """The synthetic warm start's SFT data (its prompts; the teacher writes the traces)."""
-    return make_synthetic(cfg.sft_steps * cfg.sft_batch, cfg.seed + 20_000,
+    return make_synthetic(cfg.sft_steps * cfg.sft_batch, sft_seed(cfg) + 20_000,
                           cfg.sft_difficulty or cfg.difficulty, cfg.order)
 
 

@@ -34,7 +34,8 @@ from transformers import AutoTokenizer
 from checkpoint import save_atomic
 from config import parse_config
 from model import ModelConfig, Transformer
-from tasks import build_char_tokenizer, sft_problems, synthetic_trace
+from tasks import (build_char_tokenizer, is_lagged, lagged_trace, sft_problems, sft_seed,
+                   synthetic_trace)
 from update import build_batch, token_logprobs
 
 
@@ -46,11 +47,12 @@ def tiny_model_config(cfg, tok):
     return ModelConfig(vocab_size=len(tok), hidden_size=cfg.n_embd, intermediate_size=cfg.ffn,
                        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
                        num_key_value_heads=cfg.n_kv_head, head_dim=cfg.n_embd // cfg.n_head,
-                       max_position_embeddings=2048, tie_word_embeddings=True,
+                       max_position_embeddings=max(2048, 512 + cfg.max_new_tokens),
+                       tie_word_embeddings=True,
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **moe)
 
 
-def teacher_trace(problem, noise, rng, slip=0.0):
+def teacher_trace(problem, noise, rng, slip=0.0, max_lines=0):
     """The SFT target: the task's reference trace, except that with probability `noise` the teacher
     ends on the value it looked up last instead of the running sum ("a=7>7 b=2>9 #2" instead of
     "#9"). An imperfect teacher with the wrong answer convention: the warm start learns the mix, and
@@ -58,7 +60,9 @@ def teacher_trace(problem, noise, rng, slip=0.0):
     of RLVR in practice). `slip` (order "marked"): on each step whose running sum crosses 10, with
     that probability the teacher adds the carry into the units digit and carries on from its own
     wrong total ("7>7,5>3." instead of "7>7,5>2."): a weak learner's slip, which comes with the
-    input and compounds along the chain."""
+    input and compounds along the chain; order "lagged": see tasks.lagged_trace."""
+    if is_lagged(problem.prompt):  # max_lines > 0: at most that many lines (a prefix, no end)
+        return lagged_trace(problem.prompt, slip, rng, max_lines)[0]
     if slip > 0:
         items, steps, total = problem.prompt.strip().partition("?")[0], [], 0
         for i in range(0, len(items), 4):  # "k=v," items (tasks._make_marked)
@@ -75,13 +79,23 @@ def teacher_trace(problem, noise, rng, slip=0.0):
     return trace
 
 
+def sft_target(tok, problem, cfg, rng):
+    """The token ids SFT trains on for one problem: the teacher's trace and EOS, or no EOS where the
+    trace is a prefix (a lagged trace cut at sft_max_lines: no "#" ending)."""
+    trace = teacher_trace(problem, cfg.sft_noise, rng, cfg.sft_slip, cfg.sft_max_lines)
+    return tok.encode(trace, add_special_tokens=False) + ([tok.eos_token_id] if "#" in trace else [])
+
+
 def sft_key(cfg):
     """Everything that shapes the warm start, and nothing else: the cache's key."""
-    key = {k: getattr(cfg, k) for k in ("seed", "n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
+    key = {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
                                         "order", "sft_steps", "sft_batch", "sft_lr", "sft_noise",
                                         "sft_init")}
+    key.update(seed=sft_seed(cfg))
     if cfg.sft_slip:  # likewise: a run without the slip keeps its key
         key.update(sft_slip=cfg.sft_slip)
+    if cfg.sft_max_lines:
+        key.update(sft_max_lines=cfg.sft_max_lines)
     if cfg.n_expert:  # only MoE keys where they apply: a dense model's cache keeps its key
         key.update(n_expert=cfg.n_expert, n_expert_active=cfg.n_expert_active, moe_ffn=cfg.moe_ffn)
     return json.loads(json.dumps({**key, "sft_difficulty": cfg.sft_difficulty or cfg.difficulty}))
@@ -107,10 +121,11 @@ def warm_start(cfg, tok, dev, log, rank=0):
                 return Transformer.from_pretrained(path, device=dev)
     except FileNotFoundError:
         pass
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(sft_seed(cfg))
     if cfg.sft_init.endswith(".py"):
         # a curriculum: that config's warm start (built or cached) first, then this SFT
-        model = warm_start(parse_config([cfg.sft_init, f"--seed={cfg.seed}"]), tok, dev, log, rank)
+        model = warm_start(parse_config([cfg.sft_init, f"--seed={sft_seed(cfg)}"]), tok, dev, log,
+                           rank)
     elif cfg.sft_init:  # or any checkpoint of the same tokenizer
         model = Transformer.from_pretrained(cfg.sft_init, device=dev)
     else:
@@ -125,16 +140,14 @@ def warm_start(cfg, tok, dev, log, rank=0):
                          f"config's: {', '.join(diff)}")
     data = sft_problems(cfg)  # SFT's range may differ from RL's
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    rng = random.Random(cfg.seed)
+    rng = random.Random(sft_seed(cfg))
     log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} "
         f"steps")
     bar = rank == 0 and sys.stderr.isatty()  # in a file a bar is one endless line: a terminal only
     for step in tqdm(range(cfg.sft_steps), desc="sft", disable=not bar, dynamic_ncols=True):
         batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
         p_ids = [tok.encode(p.prompt, add_special_tokens=False) for p in batch]
-        c_ids = [torch.tensor(tok.encode(teacher_trace(p, cfg.sft_noise, rng, cfg.sft_slip),
-                                         add_special_tokens=False) + [tok.eos_token_id])
-                 for p in batch]
+        c_ids = [torch.tensor(sft_target(tok, p, cfg, rng)) for p in batch]
         ids, tmask = build_batch(p_ids, c_ids,
                                  [torch.ones(len(c), dtype=torch.bool) for c in c_ids],
                                  tok.pad_token_id)
@@ -175,6 +188,8 @@ def build_policy(cfg, dev, log, rank=0, world=1):
             torch.distributed.barrier()  # rank 0 built the warm start; the others read it
         if rank != 0:
             model = Transformer.from_pretrained(cache_path(cfg), device=dev)
+        # RoPE needs no table: a cached warm start serves a config that generates longer
+        model.config.max_position_embeddings = tiny_model_config(cfg, tok).max_position_embeddings
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model.to(getattr(torch, cfg.dtype)), tok

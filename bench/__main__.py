@@ -21,7 +21,7 @@ import torch
 from bench.common import RESULTS, write_block
 
 # bench/<name>.py, each with run()
-SECTIONS = ("rollout", "signal", "sparrow", "sparsecost", "sparsepath", "pagereads", "gpu",
+SECTIONS = ("rollout", "signal", "sparrow", "regime", "sparsecost", "sparsepath", "pagereads", "gpu",
             "syncbytes", "step", "demo", "moe")
 
 

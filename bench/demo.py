@@ -37,7 +37,7 @@ from bench.common import hardware
 from config import parse_config
 from tasks import make_synthetic
 from update import build_batch, token_logprobs
-from warmstart import teacher_trace
+from warmstart import sft_target
 
 ARGS = {True: ["--steps=4", "--sft_steps=60", "--n_eval=40", "--eval_sampled=false"],
         False: []}
@@ -100,11 +100,9 @@ def more_sft(cfg, run, tokens, seed):
                             cfg.sft_difficulty or cfg.difficulty, cfg.order):
         if n >= tokens:
             break
-        c = run.tok.encode(teacher_trace(p, cfg.sft_noise, rng, cfg.sft_slip),
-                           add_special_tokens=False)
-        rows.append((run.tok.encode(p.prompt, add_special_tokens=False),
-                     c + [run.tok.eos_token_id]))
-        n += len(c) + 1
+        c = sft_target(run.tok, p, cfg, rng)
+        rows.append((run.tok.encode(p.prompt, add_special_tokens=False), c))
+        n += len(c)
     b = cfg.sft_batch
     sft_steps(cfg, run, [rows[i:i + b] for i in range(0, len(rows), b)])
     return n

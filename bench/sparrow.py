@@ -1,25 +1,28 @@
 """
-bench/sparrow.py: stage 2 in the loop, the miniature Sparrow experiment on the CPU long-CoT task
-(configs/longcot.py). Five training runs from the same warm start, seed and step count:
-    (a) dense, (b) a fixed aggressive budget (8 pages a step), (c) the p5-held schedule (calibrated
-    at the start, then held by the controller), (d) (c) + DistillSparse, (e) (b) + DistillSparse:
-    what the adapter does to the tail at a budget that misses the threshold.
-Per run: training reward, held-out accuracy, mean and p5 alpha over all tokens and per bin of cached
-length, the KV pages read, rollout time per token, and the in-run speedup (a dense rollout of the
-same prompts, same weights and seed, every 5 steps). Writes assets/sparrow.png (reward, accuracy and
-alpha per bin).
+bench/sparrow.py: stage 2 in the loop, the miniature Sparrow experiment on the long-CoT config
+(configs/lagged.py: 1,000-3,100 generated tokens a rollout). Five training runs from one warm start,
+per seed:
+    (a) dense, (b) a fixed aggressive budget (FIXED pages a step), (c) the p5-held schedule
+    (calibrated at the start, then held by the controller), (d) (c) + DistillSparse, (e) (b) +
+    DistillSparse: what the adapter does to the tail at a budget that misses the threshold.
+Per arm, mean and standard deviation over the seeds: training reward, held-out accuracy, mean and p5
+alpha over all tokens, and per bin of cached length, the KV pages read, rollout time per token, and
+the in-run speedup (a dense rollout of the same prompts, same weights and seed, every 5 steps).
+Writes assets/sparrow.png (reward, accuracy and alpha per bin; mean over seeds, a band of one
+standard deviation).
 
 Simplifications:
     1. alpha is Sparrow's per-position acceptance rate that the run logs (1 - TV between the
        sparse rollout's and the dense policy's next-token distributions, exact over this small
        vocabulary), over every generated row; p5 is its 5th percentile, per bin and over all tokens.
-    2. The warm start that `python train.py configs/longcot.py` cached in out/longcot is reused when
-       present; otherwise the first run builds it and the others copy it.
+    2. Every run starts from one warm start (sft_seed 0): the seed varies the RL run, its pool,
+       held-out set and sampling. The warm start that `python train.py configs/lagged.py` cached in
+       out/ is reused when present; otherwise the first run builds it (about 30 minutes on 2 cores).
     3. The runs' policies differ (each trains on its own rollouts), so per-bin figures across runs
        are noisy; tests/test_distill.py checks DistillSparse on a fixed batch.
 
-    python -m bench sparrow --threads 1       # about 15 minutes at 1 thread
-    python -m bench sparrow --quick           # 4 steps, a short warm start: a smoke run
+    python -m bench sparrow --threads 1       # hours at 1 thread: 15 runs of 1,000-3,000 tokens
+    python -m bench sparrow --quick           # 2 steps, a short warm start: a smoke run
 """
 
 import dataclasses
@@ -32,7 +35,9 @@ from bench.common import hardware
 from config import parse_config
 from warmstart import cache_path
 
-FIXED = 8  # pages of 8 tokens a decode step for run (b): below what calibration asks of later bins
+CONFIG = "configs/lagged.py"
+SEEDS = (0, 1, 2)
+FIXED = 8  # pages a decode step for run (b): below what calibration asks of later bins
 
 
 def arms(fixed):
@@ -71,24 +76,54 @@ def summary(history):
             "curve": [(r["step"], r["reward"], r.get("acc")) for r in recs]}
 
 
+def spread(xs):
+    """(mean, sample standard deviation) of the values that are not NaN; (NaN, NaN) for none."""
+    v = [x for x in xs if x == x]
+    if not v:
+        return float("nan"), float("nan")
+    m = sum(v) / len(v)
+    return m, (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
+
+
+def aggregate(runs):
+    """One arm's seeds (summaries) -> {figure: (mean, sd)}, per-bin means, and the mean curve."""
+    keys = ("reward0", "reward1", "acc0", "acc", "alpha", "p5", "kv_read", "speedup")
+    out = {k: spread([r[k] for r in runs]) for k in keys}
+    out["ms"] = spread([1e3 * r["gen_s"] / r["tokens"] for r in runs])
+    nb = max(len(r["bins"]["p5"]) for r in runs)
+    out["bins"] = {k: [spread([r["bins"][k][i] for r in runs if i < len(r["bins"][k])])[0]
+                       for i in range(nb)] for k in ("mean", "p5")}
+    steps = sorted({x[0] for r in runs for x in r["curve"]})
+    out["curve"] = [(t, spread([x[1] for r in runs for x in r["curve"] if x[0] == t]),
+                     spread([x[2] for r in runs for x in r["curve"] if x[0] == t
+                             and x[2] is not None])) for t in steps]
+    out["tables"] = [r["table"] for r in runs]
+    return out
+
+
 def plot(results, path, threshold):
-    """Three panels, one colour per run: training reward, held-out accuracy, alpha per bin."""
+    """Three panels, one colour per arm, the mean over seeds with a band of one standard
+    deviation: training reward, held-out accuracy, p5 and mean alpha per bin."""
     # imported here: matplotlib draws only this picture, and Agg must be set before pyplot loads
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    for i, (name, s) in enumerate(results.items()):
+    for i, (name, a) in enumerate(results.items()):
         c = f"C{i}"
-        steps = [x[0] for x in s["curve"]]
-        ax[0].plot(steps, [x[1] for x in s["curve"]], color=c, label=name)
-        ev = [(x[0], x[2]) for x in s["curve"] if x[2] is not None]
-        ax[1].plot([-1] + [e[0] for e in ev], [s["acc0"]] + [e[1] for e in ev], color=c,
-                   marker="o", label=name)
-        if s["bins"]["p5"]:
-            ax[2].plot(range(len(s["bins"]["p5"])), s["bins"]["p5"], color=c, marker="o",
+        for j, panel in ((1, ax[0]), (2, ax[1])):
+            pts = [(t, m_sd) for t, *figs in a["curve"] for m_sd in [figs[j - 1]] if m_sd[0] == m_sd[0]]
+            if j == 2:
+                pts = [(-1, a["acc0"])] + pts
+            xs, m = [p[0] for p in pts], [p[1][0] for p in pts]
+            sd = [p[1][1] for p in pts]
+            panel.plot(xs, m, color=c, marker="o" if j == 2 else None, label=name)
+            panel.fill_between(xs, [x - y for x, y in zip(m, sd)], [x + y for x, y in zip(m, sd)],
+                               color=c, alpha=0.15)
+        if a["bins"]["p5"]:
+            ax[2].plot(range(len(a["bins"]["p5"])), a["bins"]["p5"], color=c, marker="o",
                        label=f"{name}: p5")
-            ax[2].plot(range(len(s["bins"]["mean"])), s["bins"]["mean"], color=c, ls="--",
+            ax[2].plot(range(len(a["bins"]["mean"])), a["bins"]["mean"], color=c, ls="--",
                        label=f"{name}: mean")
     ax[2].axhline(threshold, color="k", lw=0.8, ls=":")
     titles = ("training reward", "held-out greedy accuracy", "alpha per bin of cached length")
@@ -104,42 +139,47 @@ def plot(results, path, threshold):
 def run(quick, cmd):
     """-> the table, its own head included (its columns differ from the other sections')."""
     hw = hardware()
-    small = ["--steps=4", "--sft_steps=40", "--n_eval=16", "--eval_every=2", "--calib_prompts=4"]
-    args = ["configs/longcot.py", "--plot=false"] + (small if quick else [])
+    small = ["--steps=2", "--sft_steps=10", "--n_eval=4", "--eval_every=1", "--calib_prompts=2",
+             "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=96", "--difficulty=(1,2)"]
+    seeds = SEEDS[:2] if quick else SEEDS
+    args = [CONFIG, "--plot=false", "--sft_seed=0"] + (small if quick else [])
     root = tempfile.mkdtemp(prefix="zeros-bench-sparrow-")
     cfg = parse_config(args)
-    results = {}
-    cached = cache_path(cfg)  # built by `python train.py configs/longcot.py`, if it ran
+    runs = {name: [] for name in arms(FIXED)}
+    cached = cache_path(cfg)  # built by `python train.py configs/lagged.py`, if it ran
     try:
-        if os.path.isdir(cached):  # the arms' folders share root's cache: one warm start for all
-            shutil.copytree(cached, cache_path(dataclasses.replace(cfg, out_dir=f"{root}/arm0")))
-        for i, (name, extra) in enumerate(arms(FIXED).items()):
-            out = f"{root}/arm{i}"
-            print(f"--- {name}", flush=True)
-            results[name] = summary(train.main(args + extra + [f"--out_dir={out}"]))
+        if os.path.isdir(cached) and not quick:  # every run shares root's cache: one warm start
+            shutil.copytree(cached, cache_path(dataclasses.replace(cfg, out_dir=f"{root}/x")))
+        for seed in seeds:
+            for i, (name, extra) in enumerate(arms(FIXED).items()):
+                out = f"{root}/arm{i}-seed{seed}"
+                print(f"--- {name}, seed {seed}", flush=True)
+                hist = train.main(args + extra + [f"--seed={seed}", f"--out_dir={out}"])
+                runs[name].append(summary(hist))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    results = {name: aggregate(r) for name, r in runs.items()}
     os.makedirs("assets", exist_ok=True)
     plot(results, "assets/sparrow.png", cfg.kv_target)
-    dense_ms = 1e3 * results["(a) dense"]["gen_s"] / results["(a) dense"]["tokens"]
+    pm = lambda m_sd, f=".3f": "-" if m_sd[0] != m_sd[0] else f"{m_sd[0]:{f}} ± {m_sd[1]:{f}}"
     fmt_bins = lambda xs: " ".join("-" if x != x else f"{x:.2f}" for x in xs) or "-"
+    dense_ms = results["(a) dense"]["ms"][0]
     rows = []
-    for name, s in results.items():
-        ms = 1e3 * s["gen_s"] / s["tokens"]
-        speed = f"{s['speedup']:.2f}x ({s['n_speed']} steps)" if s["n_speed"] else "-"
-        tail = "-" if s["alpha"] != s["alpha"] else f"{s['alpha']:.3f} / {s['p5']:.3f}"  # dense
-        rows.append(f"| {name} | {s['reward0']:.3f} -> {s['reward1']:.3f} | "
-                    f"{s['acc0']:.3f} -> {s['acc']:.3f} | {tail} | "
-                    f"{fmt_bins(s['bins']['mean'])} | {fmt_bins(s['bins']['p5'])} | "
-                    f"{s['kv_read']:.2f} | {ms:.2f} ms ({dense_ms / ms:.2f}x) | {speed} | "
-                    f"{s['table'] or '-'} |")
-    head = [f"Hardware: {hw}. Command: `{cmd}`. {cfg.steps} steps, {cfg.prompts_per_step} x "
-            f"{cfg.group_size} rollouts per step, threshold p5 alpha >= {cfg.kv_target}, bins of "
-            f"{cfg.kv_bin_pages} pages of {cfg.page_size} tokens, first {cfg.dense_layers} "
-            f"layer(s) dense.", "",
+    for name, a in results.items():
+        rows.append(f"| {name} | {pm(a['reward0'])} -> {pm(a['reward1'])} | "
+                    f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['alpha'])} | {pm(a['p5'])} | "
+                    f"{fmt_bins(a['bins']['mean'])} | {fmt_bins(a['bins']['p5'])} | "
+                    f"{pm(a['kv_read'], '.2f')} | {a['ms'][0]:.3f} ms ({dense_ms / a['ms'][0]:.2f}x) | "
+                    f"{pm(a['speedup'], '.2f')} | {a['tables'][0] or '-'} |")
+    head = [f"Hardware: {hw}. Command: `{cmd}`. {CONFIG}, seeds {', '.join(map(str, seeds))} "
+            f"(one warm start, sft_seed 0; the seed varies the pool, the held-out set and the "
+            f"sampling), {cfg.steps} steps of {cfg.prompts_per_step} x {cfg.group_size} rollouts, "
+            f"threshold p5 alpha >= {cfg.kv_target}, bins of {cfg.kv_bin_pages} pages of "
+            f"{cfg.page_size} tokens, first {cfg.dense_layers} layer(s) dense. Mean ± standard "
+            f"deviation over the seeds.", "",
             "| run | reward, first -> last fifth of the steps | held-out accuracy, start -> end | "
-            "alpha mean / p5 (all tokens) | mean alpha per bin | p5 alpha per bin | KV pages read "
-            "(of dense) | rollout time per token (vs the dense run) | rollout speedup vs dense, "
-            "same step, same weights | table at the end |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "alpha mean (all tokens) | alpha p5 (all tokens) | mean alpha per bin | p5 alpha per "
+            "bin | KV pages read (of dense) | rollout time per token (vs the dense runs) | rollout "
+            "speedup vs dense, same step, same weights | table at the end (first seed) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     return head + rows

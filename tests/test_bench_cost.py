@@ -1,10 +1,14 @@
 """bench/cost.py's cost-model check (row (e) of `python -m bench rollout`) on a tiny model: the engine's measured
 decode times and bench.cost.rollout_cost's prediction for the same schedule and lengths, and the rows' layout."""
+import os
+
 import torch
 
 from bench import cost
 from model import ModelConfig, Transformer
 from sparsity import dense_budget, fraction_budget
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny():
@@ -65,3 +69,36 @@ def test_sparrow_summary_takes_a_dense_run_that_measures_no_alpha():
     s = sparrow.summary({"records": recs, "acc0": 0.25})
     assert s["alpha"] != s["alpha"] and s["p5"] != s["p5"]  # NaN: nothing measured
     assert s["acc"] == 0.5 and s["tokens"] == 50 and s["bins"] == {"mean": [], "p5": []}
+
+
+def test_regime_reports_the_attention_share_and_each_scorers_calibrated_table(monkeypatch):
+    """`python -m bench regime --quick`: an attention share per context, and per page size and
+    scorer (centroid, Quest, oracle) a calibrated table whose read fraction lies in (0, 1]."""
+    from bench import regime
+    monkeypatch.chdir(ROOT)  # the section reads configs/lagged.py; its quick warm start is temporary
+    lines = regime.run(True, "python -m bench regime --quick")
+    share = [line.split(" | ") for line in lines if line.startswith("| 128 ") or line.startswith("| 256 ")]
+    assert len(share) == 2 and all(0 < float(r[2].rstrip("% |")) <= 100 for r in share)
+    cal = [line.split(" | ") for line in lines if line.startswith("| 8 (") or line.startswith("| 64 (")]
+    assert [r[1] for r in cal] == list(regime.SCORERS) * 2
+    assert all(0 < float(r[4]) <= 1 for r in cal)
+
+
+def test_sparrow_aggregates_seeds_into_mean_and_standard_deviation(tmp_path):
+    from bench import sparrow
+    runs = []
+    for seed, (r0, acc) in enumerate([(0.2, 0.5), (0.4, 0.7), (0.3, 0.6)]):
+        recs = [{"step": i, "reward": r0 + 0.1 * i, "kv_read": 0.25, "gen_s": 1.0 + seed,
+                 "new_tokens": 1000, "alpha_mean": 0.9, "alpha_p5": 0.8,
+                 "alpha_bins": {"mean": [0.9, 0.8], "p5": [0.85, 0.5 + 0.1 * seed]}}
+                for i in range(5)]
+        recs[-1]["acc"] = acc
+        runs.append(sparrow.summary({"records": recs, "acc0": 0.25}))
+    a = sparrow.aggregate(runs)
+    assert abs(a["acc"][0] - 0.6) < 1e-9 and abs(a["acc"][1] - 0.1) < 1e-9  # sample sd
+    assert abs(a["reward0"][0] - 0.3) < 1e-9 and abs(a["reward1"][0] - 0.7) < 1e-9
+    assert a["bins"]["p5"] == [0.85, 0.6] and a["acc0"] == (0.25, 0.0)
+    assert [t for t, _, _ in a["curve"]] == list(range(5)) and a["curve"][-1][2][0] == a["acc"][0]
+    assert a["ms"][0] == 2.0 and a["speedup"][0] != a["speedup"][0]  # no dense comparison: NaN
+    sparrow.plot({"(c) held": a}, str(tmp_path / "sparrow.png"), 0.86)
+    assert (tmp_path / "sparrow.png").stat().st_size > 0

@@ -46,6 +46,70 @@ def test_marked_order_keeps_every_step_at_one_distance():
         parse_config(["--order=marked", f"--difficulty=(2,{MARKED_VARS + 1})"])
 
 
+def test_lagged_order_copies_at_the_lag_and_ends_on_a_zero_line_start():
+    """order="lagged", checked against a second, plain reading of its rule: the prompt is LAG_LINES
+    lines of LAG_WIDTH digit pairs; each trace pair "vs" has v = the s of the pair LAG_LINES lines
+    above (the same token distance for every pair) and s = (previous s + v) mod 10; the trace stops
+    where a line's first v would be 0, with "#" and the last s, which is the answer; d counts the
+    lines and is drawn from its whole range; synthetic_trace rebuilds the trace from the prompt."""
+    from collections import Counter
+    from tasks import LAG_LINES, LAG_WIDTH
+    line, lag = 2 * LAG_WIDTH + 1, LAG_LINES * (2 * LAG_WIDTH + 1)
+    ps = make_synthetic(60, seed=4, difficulty=(2, 9), order="lagged")
+    assert set(Counter(p.meta["difficulty"] for p in ps)) == set(range(2, 10))
+    for p in ps:
+        assert len(p.prompt) == lag and p.prompt[line - 1::line] == "\n" * LAG_LINES
+        text = p.prompt + p.meta["trace"]
+        body, answer = text.split("#")
+        assert len(body) == lag + line * p.meta["difficulty"] and answer == p.answer
+        for i in range(lag, len(body)):
+            col = (i - lag) % line
+            if col == 2 * LAG_WIDTH:
+                assert body[i] == "\n"
+            elif col % 2 == 0:  # v: the token one lag back, less one (its pair's s)
+                assert body[i] == body[i - lag + 1] and not (col == 0 and body[i] == "0")
+            else:  # s: the s before it (across the line break) plus this v
+                prev = i - 2 if col > 1 else i - 3
+                assert int(body[i]) == (int(body[prev]) + int(body[i - 1])) % 10
+        # "#" stands where a line's first v would copy a 0; the answer is the last s
+        assert body[-2] == p.answer and body[len(body) - lag + 1] == "0"
+        assert synthetic_trace(p) == p.meta["trace"]
+
+
+def test_lagged_teacher_slips_at_its_pattern_and_sft_sees_a_prefix():
+    """The lagged teacher (warmstart.teacher_trace): with slip 0 it is the reference trace, cut at
+    sft_max_lines lines (no "#" then, and sft_target adds no EOS to a prefix); with slip 1 the
+    first difference from the reference is an s of 9 where the pair before is "99" and v is 9."""
+    import random
+    from warmstart import sft_target, teacher_trace
+    from config import parse_config
+    tok = build_char_tokenizer(os.path.join(ROOT, "out", "test-tokenizer"))
+    SFT_LINES = 5
+    cfg = parse_config(["--order=lagged", "--difficulty=(2,30)", f"--sft_max_lines={SFT_LINES}"])
+    slipped = 0
+    for p in make_synthetic(40, seed=6, difficulty=(2, 30), order="lagged"):
+        ref = p.meta["trace"]
+        assert teacher_trace(p, 0.0, random.Random(0)) == ref  # no cap: the whole trace
+        got = teacher_trace(p, 0.0, random.Random(0), 0.0, SFT_LINES)
+        if p.meta["difficulty"] < SFT_LINES:
+            assert got == ref and sft_target(tok, p, cfg, random.Random(0))[-1] == tok.eos_token_id
+        else:
+            assert "#" not in got and ref.startswith(got) and got.count("\n") == SFT_LINES
+            assert sft_target(tok, p, cfg, random.Random(0))[-1] != tok.eos_token_id
+        full = p.prompt + ref
+        slip = teacher_trace(p, 0.0, random.Random(0), slip=1.0)
+        k = next((i for i, (a, b) in enumerate(zip(slip, ref)) if a != b), None)
+        if k is not None:
+            slipped += 1
+            i = len(p.prompt) + k
+            assert slip[k] == "9" and full[i] == "8" and full[i - 3:i] in ("999", "99\n")
+    assert slipped >= 3
+    with pytest.raises(ValueError, match="sft_noise"):
+        parse_config(["--order=lagged", "--sft_noise=0.1"])
+    with pytest.raises(ValueError, match="sft_max_lines"):
+        parse_config(["--order=marked", "--sft_max_lines=3"])
+
+
 @pytest.mark.parametrize("order,n_vars", [("defined", 3), ("shuffled", 5)])
 def test_synthetic_example_format(order, n_vars):
     p = make_synthetic(1, seed=0, difficulty=3, order=order)[0]
@@ -389,3 +453,13 @@ def test_wrap_slip_teacher_slips_only_where_the_sum_crosses_ten():
         assert len(steps) == 4 * len(values) and end == str(total)
     with pytest.raises(ValueError, match="sft_slip"):
         parse_config(["--sft_slip=0.5", "--order=defined"])
+
+
+def test_every_config_file_parses():
+    """Each file in configs/ is a valid config: no unknown key, every value in range."""
+    from config import parse_config
+    folder = os.path.join(ROOT, "configs")
+    names = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    assert "lagged.py" in names and "tiny.py" in names
+    for name in names:
+        parse_config([os.path.join(folder, name)])
