@@ -177,12 +177,12 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
 
 def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins=None, group_size=1,
                      threshold=0.86, seed=0, min_count=1, max_new_tokens=256, temperature=1.0,
-                     page_size=16, topk=20, **engine_kw):
+                     page_size=16, topk=20, q=0.05, **engine_kw):
     """`calibrate` on a real model: measure(table) generates sparse rollouts of `prompt_ids` with
     that table, takes Sparrow's per-position alpha against a dense full forward (dense_alpha: exact
-    over a small vocabulary, else from the top-`topk` lists: sparsity.alpha_k) and its p5 per
-    bin (bins of pages cached, aligned with the schedule; bins with fewer than `min_count` tokens
-    count as empty). Every candidate samples with the same seed. engine_kw go to rollout.Engine
+    over a small vocabulary, else from the top-`topk` lists: sparsity.alpha_k) and its q-quantile
+    (p5 by default) per bin (bins of pages cached, aligned with the schedule; bins with fewer than
+    `min_count` tokens count as empty). Every candidate samples with the same seed. engine_kw go to rollout.Engine
     (scorer, keep_recent, dense_layers, ...). Returns a Schedule."""
     if n_bins is None:  # enough bins for the longest prompt plus max_new_tokens
         longest = max(len(p) for p in prompt_ids) + max_new_tokens
@@ -194,7 +194,7 @@ def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins
                         topk_logprobs=alpha_k(model.config.vocab_size, topk), **engine_kw)
         ro = engine.generate(prompt_ids, group_size=group_size, seed=seed)
         alpha = dense_alpha(model, prompt_ids, ro, temperature)
-        st = bin_stats(alpha, ro.mask, ro.budget_dense, bin_pages, n_bins)
+        st = bin_stats(alpha, ro.mask, ro.budget_dense, bin_pages, n_bins, q=q)
         return torch.where(st["count"] >= max(1, min_count), st["p5"], float("nan")).tolist()
 
     return Schedule(calibrate(measure, n_bins, candidates, threshold), bin_pages, threshold)
@@ -277,15 +277,15 @@ class Controller:
         self.floor, self.calm, self.room = list(sd["floor"]), list(sd["calm"]), list(sd["room"])
 
 
-def observe(alpha, pages, bin_pages, schedule=None, controller=None):
+def observe(alpha, pages, bin_pages, schedule=None, controller=None, q=0.05):
     """One step's tail: Sparrow's per-position alpha of every generated token (all ranks') and the
-    pages cached when each was generated -> the figures for the log (mean and p5 overall and per bin
-    of `bin_pages`); the controller, if any, moves the schedule's table toward the smallest budgets
-    whose p5 holds its target."""
+    pages cached when each was generated -> the figures for the log (mean and p5 overall, and the
+    mean and q-quantile per bin of `bin_pages`); the controller, if any, moves the schedule's table
+    toward the smallest budgets whose q-quantile (p5 by default) holds its target."""
     if alpha.numel() == 0:
         return {}
     every = torch.ones(1, alpha.numel(), dtype=torch.bool)
-    st = bin_stats(alpha[None], every, pages[None], bin_pages)
+    st = bin_stats(alpha[None], every, pages[None], bin_pages, q=q)
     rec = {"alpha_mean": alpha.mean().item(), "alpha_p5": alpha.quantile(0.05).item(),
            "alpha_bins": {k: st[k].tolist() for k in ("count", "mean", "p5")}}
     if controller is not None:
@@ -338,7 +338,7 @@ def calibrated_schedule(cfg, model, tok, pool_ids, log=print):
                              group_size=cfg.group_size, threshold=cfg.kv_target, seed=cfg.seed,
                              min_count=20, max_new_tokens=cfg.max_new_tokens,
                              temperature=cfg.temperature, page_size=cfg.page_size,
-                             topk=cfg.alpha_topk, scorer=cfg.kv_scorer,
+                             topk=cfg.alpha_topk, q=cfg.kv_quantile, scorer=cfg.kv_scorer,
                              dense_layers=cfg.dense_layers, rescore_every=cfg.kv_rescore_every,
                              stop=[cfg.stop] if cfg.stop else [])
     log(f"calibrated in {time.perf_counter() - t0:.0f} s: table {sched.table} (pages read per bin "

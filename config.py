@@ -98,6 +98,9 @@ class Config:
     # table budgets: adjust the table online to hold p5 alpha per bin at kv_target
     kv_controller: bool = False
     kv_target: float = 0.86  # Sparrow's threshold for the 5th percentile of alpha in each bin
+    # the quantile of alpha that calibration and the controller hold at kv_target (Sparrow: 0.05);
+    # lower sees rarer mismatched positions, which decide an exact chain of thousands of tokens
+    kv_quantile: float = 0.05
     # per-position alpha from top-k lists (exact for a vocabulary of <= 256 tokens)
     alpha_topk: int = 20
     # calibration: budgets swept, in pages
@@ -309,6 +312,8 @@ def check(cfg):
         raise bad("sft_slip", "0 unless order is 'marked' or 'lagged'")
     if cfg.sft_noise and cfg.order == "lagged":  # its traces have no second ending to confuse
         raise bad("sft_noise", "0 for order 'lagged'")
+    if not 0 < cfg.kv_quantile < 1:
+        raise bad("kv_quantile", "within (0, 1)")
     if cfg.sft_seed < -1:
         raise bad("sft_seed", ">= 0, or -1 for the run's seed")
     if cfg.sft_max_lines and cfg.order != "lagged":

@@ -112,13 +112,21 @@ def per_difficulty(history, last, k):
     return rows
 
 
+def clip(text, n=300):
+    """A text of at most about n characters, on one line: a long one keeps its start and its end
+    (a long generation's answer is at the end)."""
+    text = text.strip().replace("\n", "\\n")
+    return text if len(text) <= n else f"{text[:n // 2]} ... {text[-n // 2:]}"
+
+
 def shown(history):
-    """The example problems, with the completion before and after RL."""
+    """The example problems, with the completion before and after RL (long texts clipped: the
+    history keeps them whole)."""
     out = []
     for ex in history.get("examples", []):
-        out += ["", f"problem: {ex['prompt'].strip()}  (answer {ex['answer']})",
-                f"  before RL: {ex.get('before', '').strip()}",
-                f"  after RL:  {ex.get('after', '').strip()}"]
+        out += ["", f"problem: {clip(ex['prompt'])}  (answer {ex['answer']})",
+                f"  before RL: {clip(ex.get('before', ''))}",
+                f"  after RL:  {clip(ex.get('after', ''))}"]
     return out
 
 

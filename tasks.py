@@ -7,8 +7,9 @@ tasks.py: what the policy is asked. No stage of its own: every stage reads these
 
 What is here:
     Problem            a prompt, its reference answer, its task and its meta (tests, difficulty)
-    the synthetic task running sums mod 10 over named values (no downloads), its reference traces,
-                       and a character tokenizer for it
+    the synthetic task running sums mod 10 over named values (no downloads), or over a stream the
+                       model extends line by line (order "lagged": 1,000+ generated tokens), its
+                       reference traces, and a character tokenizer for it
     loaders            GSM8K, MATH and MBPP (code), from hub names or local .jsonl/.json/.parquet
                        files; malformed rows (not UTF-8, not JSON, not an object, a field missing)
                        are skipped with one warning that counts them and names the file and lines
@@ -99,10 +100,10 @@ def make_synthetic(n: int, seed: int, difficulty: Union[int, tuple[int, int]] = 
                   ends with "." instead of "," ("a=3,b=5,c=1.d=4,...?"), and the trace restates
                   each value and its separator ("3>3,5>8,1>9.#9"): a step is the same at any d and
                   the chain ends on content, not on a count (see _make_marked).
-      "lagged":   the long-generation variant: the prompt is LAG_LINES lines of LAG_WIDTH digits,
-                  and the completion carries the digit stream on, line by line, each digit the sum
-                  mod 10 of the one before it and the one LAG_LINES lines above; d is the number of
-                  lines it writes, 64 tokens each (see _make_lagged).
+      "lagged":   the long-generation variant: the prompt is LAG_LINES lines of LAG_WIDTH digit
+                  pairs, and the completion carries the stream on, line by line; each pair restates
+                  the running sum LAG_LINES lines above and adds it to its own; d is the number of
+                  lines it writes, 65 tokens each (see lagged_trace).
     """
     lo, hi = (difficulty, difficulty) if isinstance(difficulty, int) else tuple(difficulty)
     if lo < 1 or hi < lo:

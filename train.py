@@ -352,7 +352,8 @@ def collect(cfg, step, run):
     if run.measure:  # Sparrow's tail over every rank's tokens; the controller moves the table
         mine = [torch.cat(x) for x in zip(*alphas)]
         a, pages = (torch.cat(x) for x in zip(*parallel.gather(mine, n, group)))
-        rec.update(observe(a, pages, cfg.kv_bin_pages, run.schedule, run.controller))
+        rec.update(observe(a, pages, cfg.kv_bin_pages, run.schedule, run.controller,
+                           cfg.kv_quantile))
     return kept, rec
 
 

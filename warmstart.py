@@ -162,6 +162,8 @@ def warm_start(cfg, tok, dev, log, rank=0):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if not bar and (step + 1) % max(1, cfg.sft_steps // 10) == 0:  # no bar: a line each tenth
+            log(f"warm start: step {step + 1}/{cfg.sft_steps}, loss {loss.item():.4f}")
     log(f"warm start: final SFT loss {loss.item():.4f}")
 
     def write(d):

@@ -1,7 +1,7 @@
 """
 bench/sparsecost.py: stage 2, where a long-CoT decode step's time goes. The same prompts of the CPU
-long-CoT warm start (configs/longcot.py, built if missing) generated four ways: dense, at the fixed
-8 pages of the sparrow section's run (b), at the table calibrated for p5 alpha >= kv_target, and at
+long-CoT warm start (configs/longcot.py, built if missing) generated four ways: dense, at a fixed
+8 pages a step, at the table calibrated for p5 alpha >= kv_target, and at
 the table calibrated with the oracle scorer (the true attention mass per page: about the fewest
 pages a query-aware scorer can hold the threshold with; it reads every key, so its time is no
 speedup). The engine's clock splits each decode into attention (gather + SDPA, or the kernel), page
@@ -30,11 +30,12 @@ import torch
 
 import rollout
 from bench.common import hardware
-from bench.sparrow import FIXED
 from calibrate import Schedule, kv_budget
 from config import parse_config
 from tasks import encode_pool, load_problems
 from warmstart import build_policy
+
+FIXED = 8  # pages of 8 tokens a decode step: below what calibration asks of the later bins
 
 
 def run(quick, cmd):

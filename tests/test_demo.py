@@ -84,3 +84,14 @@ def test_the_examples_are_problems_the_warm_start_gets_wrong():
     wrong = sorted((probs[i].meta["difficulty"], i) for i in (0, 3, 6, 9))
     assert wrong[0][1] in picks and wrong[-1][1] in picks  # the easiest and the hardest of them
     assert len(report.examples(probs, {i: (t, 1.0) for i, (t, _) in shown.items()})) == 3  # none wrong
+
+
+def test_long_examples_are_clipped_to_their_start_and_end():
+    """report.shown prints an example on one line each, a long one as its start, " ... " and its end
+    (where a long generation's answer is); a short one whole."""
+    import report
+    long = "12\n" * 200 + "#7"
+    lines = report.shown({"examples": [{"prompt": "a=1?\n", "answer": "7", "before": long,
+                                        "after": "1>1.#1"}]})
+    assert lines[1] == "problem: a=1?  (answer 7)" and lines[3] == "  after RL:  1>1.#1"
+    assert " ... " in lines[2] and lines[2].endswith("#7") and len(lines[2]) < 330

@@ -217,3 +217,23 @@ def test_calibrate_gives_a_bin_that_loses_its_tokens_the_largest_candidate():
     with pytest.raises(ValueError, match="bins"):
         # measured at the largest candidate and still failing: an error
         calibrate(lambda t: [0.9, 0.5], 2, [1, 2, 4], threshold=0.86)
+
+
+def test_the_tail_quantile_sees_rare_mismatches_that_p5_does_not():
+    """observe's per-bin tail is the q-quantile of alpha (kv_quantile; Sparrow's p5 by default): one
+    token in 200 mismatched leaves p5 at 1 and the 0.001-quantile near the mismatch, and the
+    controller then raises the bin only under the lower quantile."""
+    from calibrate import observe
+    alpha = torch.ones(2000)
+    alpha[::200] = 0.1  # 10 of 2,000 tokens
+    pages = torch.full((2000,), 3)
+    p5 = observe(alpha, pages, 4)["alpha_bins"]["p5"][0]
+    low = observe(alpha, pages, 4, q=0.001)["alpha_bins"]["p5"][0]
+    assert p5 == 1.0 and low < 0.2
+    for q, raised in ((0.05, False), (0.001, True)):
+        sched = Schedule([2], 4)
+        observe(alpha, pages, 4, sched, Controller(sched, target=0.86), q=q)
+        assert (sched.table[0] > 2) == raised
+    from config import parse_config
+    with pytest.raises(ValueError, match="kv_quantile"):
+        parse_config(["--kv_quantile=0"])
