@@ -287,7 +287,7 @@ def observe(alpha, pages, bin_pages, schedule=None, controller=None, q=0.05):
     every = torch.ones(1, alpha.numel(), dtype=torch.bool)
     st = bin_stats(alpha[None], every, pages[None], bin_pages, q=q)
     rec = {"alpha_mean": alpha.mean().item(), "alpha_p5": alpha.quantile(0.05).item(),
-           "alpha_bins": {k: st[k].tolist() for k in ("count", "mean", "p5")}}
+           "alpha_bins": {**{k: st[k].tolist() for k in ("count", "mean", "p5")}, "q": q}}
     if controller is not None:
         rec["kv_moved"] = controller.observe(st["p5"], st["count"])
     if schedule is not None:

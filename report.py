@@ -36,9 +36,10 @@ def step_lines(rec):
     learn = (g("alpha_p5", "p5 alpha {:.3f}"),
              g("loss", "loss {:+.4f}") + g("grad_norm", " gn {:.2f}") + g("train_s", " {:.1f}s"),
              g("acc", "acc {:.3f}"))
-    bins = rec.get("alpha_bins", {}).get("p5")
+    bins, q = rec.get("alpha_bins", {}).get("p5"), rec.get("alpha_bins", {}).get("q", 0.05)
+    tail = "p5" if q == 0.05 else f"q{q:g}"  # the quantile kv_quantile holds (p5: Sparrow's)
     extra = (g("rollout_speedup", "rollout vs dense {:.2f}x"), g("kv_table", "kv table {}"),
-             f"p5 alpha per bin {[round(x, 2) for x in bins]}" if bins else "",
+             f"{tail} alpha per bin {[round(x, 2) for x in bins]}" if bins else "",
              g("distill_kl", "distill kl {:.4f}"), nz("errors", "reward errors {}"),
              g("moe_diff", "moe routes differ {:.3f}") + g("moe_diff_tok", " (tokens {:.2f})")
              + g("alpha_own_p5", ", p5 alpha own {:.3f}") + g("alpha_replay_p5", " replay {:.3f}"),
