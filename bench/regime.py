@@ -18,10 +18,10 @@ needs to hold the mismatch tail.
 
 Simplifications:
     1. The warm start `python train.py configs/lagged.py` cached is reused; otherwise it is built
-       (about 15 minutes on 2 cores).
+       (about 20 minutes on 2 cores).
     2. Times are the best of 3 rounds; the read fractions and p5 come from one seeded rollout.
 
-    python -m bench regime --threads 1     # about 40 minutes at 1 thread
+    python -m bench regime --threads 1     # about 25 minutes at 1 thread, the warm start cached
     python -m bench regime --quick         # a short warm start, short contexts: a smoke run
 """
 

@@ -17,7 +17,7 @@ Simplifications:
        vocabulary), over every generated row; p5 is its 5th percentile, per bin and over all tokens.
     2. Every run starts from one warm start (sft_seed 0): the seed varies the RL run, its pool,
        held-out set and sampling. The warm start that `python train.py configs/lagged.py` cached in
-       out/ is reused when present; otherwise the first run builds it (about 30 minutes on 2 cores).
+       out/ is reused when present; otherwise the first run builds it (about 20 minutes on 2 cores).
     3. The runs' policies differ (each trains on its own rollouts), so per-bin figures across runs
        are noisy; tests/test_distill.py checks DistillSparse on a fixed batch.
 
