@@ -182,8 +182,8 @@ def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins
     that table, takes Sparrow's per-position alpha against a dense full forward (dense_alpha: exact
     over a small vocabulary, else from the top-`topk` lists: sparsity.alpha_k) and its q-quantile
     (p5 by default) per bin (bins of pages cached, aligned with the schedule; bins with fewer than
-    `min_count` tokens count as empty). Every candidate samples with the same seed. engine_kw go to rollout.Engine
-    (scorer, keep_recent, dense_layers, ...). Returns a Schedule."""
+    `min_count` tokens count as empty). Every candidate samples with the same seed. engine_kw go to
+    rollout.Engine (scorer, keep_recent, dense_layers, ...). Returns a Schedule."""
     if n_bins is None:  # enough bins for the longest prompt plus max_new_tokens
         longest = max(len(p) for p in prompt_ids) + max_new_tokens
         n_bins = -(-longest // page_size) // bin_pages + 1

@@ -83,7 +83,8 @@ def sft_target(tok, problem, cfg, rng):
     """The token ids SFT trains on for one problem: the teacher's trace and EOS, or no EOS where the
     trace is a prefix (a lagged trace cut at sft_max_lines: no "#" ending)."""
     trace = teacher_trace(problem, cfg.sft_noise, rng, cfg.sft_slip, cfg.sft_max_lines)
-    return tok.encode(trace, add_special_tokens=False) + ([tok.eos_token_id] if "#" in trace else [])
+    end = [tok.eos_token_id] if "#" in trace else []
+    return tok.encode(trace, add_special_tokens=False) + end
 
 
 def sft_key(cfg):

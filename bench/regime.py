@@ -135,8 +135,8 @@ def run(quick, cmd):
     head2 = ["", f"Calibration: {len(prompts)} prompts x {cfg.group_size} rollouts, p5 alpha >= "
              f"{cfg.kv_target} per bin, first {cfg.dense_layers} layer(s) dense; read fraction "
              f"and p5 from one rollout at the calibrated table.", "",
-             "| pages | scorer | scored every | table (pages per bin) | read fraction | p5 alpha per "
-             "bin at that table | mean context | ceiling, selection free |",
+             "| pages | scorer | scored every | table (pages per bin) | read fraction | p5 alpha "
+             "per bin at that table | mean context | ceiling, selection free |",
              "|---|---|---|---|---|---|---|---|"]
     rows2 = []
     for ps, bp, k_sc, sc, table, read, p5, ctx in found:

@@ -114,7 +114,8 @@ def plot(results, path, threshold):
     for i, (name, a) in enumerate(results.items()):
         c = f"C{i}"
         for j, panel in ((1, ax[0]), (2, ax[1])):
-            pts = [(t, m_sd) for t, *figs in a["curve"] for m_sd in [figs[j - 1]] if m_sd[0] == m_sd[0]]
+            # (step, (mean, sd)) of the reward (j = 1) or the accuracy (j = 2), where measured
+            pts = [(t, figs[j - 1]) for t, *figs in a["curve"] if figs[j - 1][0] == figs[j - 1][0]]
             if j == 2:
                 pts = [(-1, a["acc0"])] + pts
             xs, m = [p[0] for p in pts], [p[1][0] for p in pts]
@@ -171,7 +172,8 @@ def run(quick, cmd):
         rows.append(f"| {name} | {pm(a['reward0'])} -> {pm(a['reward1'])} | "
                     f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['alpha'])} | {pm(a['p5'])} | "
                     f"{fmt_bins(a['bins']['mean'])} | {fmt_bins(a['bins']['p5'])} | "
-                    f"{pm(a['kv_read'], '.2f')} | {a['ms'][0]:.3f} ms ({dense_ms / a['ms'][0]:.2f}x) | "
+                    f"{pm(a['kv_read'], '.2f')} | "
+                    f"{a['ms'][0]:.3f} ms ({dense_ms / a['ms'][0]:.2f}x) | "
                     f"{pm(a['speedup'], '.2f')} | {a['tables'][0] or '-'} |")
     head = [f"Hardware: {hw}. Command: `{cmd}`. {CONFIG}, seeds {', '.join(map(str, seeds))} "
             f"(one warm start, sft_seed 0; the seed varies the pool, the held-out set and the "
