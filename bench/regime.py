@@ -99,8 +99,8 @@ def run(quick, cmd):
     """-> the two tables, each with its head."""
     hw = hardware()
     root = tempfile.mkdtemp(prefix="zeros-bench-regime-")
-    small = ["--sft_steps=10", "--calib_prompts=2", "--group_size=2", "--max_new_tokens=96",
-             "--difficulty=(1,2)", f"--out_dir={root}/quick"]
+    small = ["--sft_steps=10", "--sft_init=", "--calib_prompts=2", "--group_size=2",  # no curriculum
+             "--max_new_tokens=96", "--difficulty=(1,2)", f"--out_dir={root}/quick"]
     cfg = parse_config(["configs/lagged.py"] + (small if quick else []))
     try:
         model, tok = build_policy(cfg, torch.device("cpu"), print)

@@ -142,8 +142,9 @@ def plot(results, path, threshold):
 def run(quick, cmd):
     """-> the table, its own head included (its columns differ from the other sections')."""
     hw = hardware()
-    small = ["--steps=2", "--sft_steps=10", "--n_eval=4", "--eval_every=1", "--calib_prompts=2",
-             "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=96", "--difficulty=(1,2)"]
+    small = ["--steps=2", "--sft_steps=10", "--sft_init=", "--n_eval=4", "--eval_every=1",
+             "--calib_prompts=2", "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=96",
+             "--difficulty=(1,2)"]
     seeds = SEEDS[:2] if quick else SEEDS
     args = [CONFIG, "--plot=false", "--sft_seed=0"] + (small if quick else [])
     root = tempfile.mkdtemp(prefix="zeros-bench-sparrow-")
