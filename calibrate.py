@@ -175,27 +175,37 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
     return table
 
 
+def sparse_tail(model, tokenizer, prompt_ids, schedule, n_bins, group_size=1, seed=0, min_count=1,
+                max_new_tokens=256, temperature=1.0, page_size=16, topk=20, q=0.05, **engine_kw):
+    """One sparse rollout of `prompt_ids` at `schedule` -> (the rollout, the q-quantile of Sparrow's
+    per-position alpha in each of `n_bins` bins, NaN where a bin has fewer than `min_count` tokens).
+    alpha is taken against a dense full forward (dense_alpha: exact over a small vocabulary, else
+    from the top-`topk` lists: sparsity.alpha_k); engine_kw go to rollout.Engine."""
+    engine = Engine(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
+                    page_size=page_size, sparse=schedule,
+                    topk_logprobs=alpha_k(model.config.vocab_size, topk), **engine_kw)
+    ro = engine.generate(prompt_ids, group_size=group_size, seed=seed)
+    alpha = dense_alpha(model, prompt_ids, ro, temperature)
+    st = bin_stats(alpha, ro.mask, ro.budget_dense, schedule.bin_pages, n_bins, q=q)
+    return ro, torch.where(st["count"] >= max(1, min_count), st["p5"], float("nan")).tolist()
+
+
 def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins=None, group_size=1,
                      threshold=0.86, seed=0, min_count=1, max_new_tokens=256, temperature=1.0,
                      page_size=16, topk=20, q=0.05, **engine_kw):
-    """`calibrate` on a real model: measure(table) generates sparse rollouts of `prompt_ids` with
-    that table, takes Sparrow's per-position alpha against a dense full forward (dense_alpha: exact
-    over a small vocabulary, else from the top-`topk` lists: sparsity.alpha_k) and its q-quantile
-    (p5 by default) per bin (bins of pages cached, aligned with the schedule; bins with fewer than
-    `min_count` tokens count as empty). Every candidate samples with the same seed. engine_kw go to
-    rollout.Engine (scorer, keep_recent, dense_layers, ...). Returns a Schedule."""
+    """`calibrate` on a real model: measure(table) is `sparse_tail` at that table, the q-quantile
+    (p5 by default) of Sparrow's per-position alpha per bin (bins of pages cached, aligned with the
+    schedule; bins with fewer than `min_count` tokens count as empty). Every candidate samples
+    with the same seed. engine_kw go to rollout.Engine (scorer, keep_recent, dense_layers, ...).
+    Returns a Schedule."""
     if n_bins is None:  # enough bins for the longest prompt plus max_new_tokens
         longest = max(len(p) for p in prompt_ids) + max_new_tokens
         n_bins = -(-longest // page_size) // bin_pages + 1
 
     def measure(table):
-        engine = Engine(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
-                        page_size=page_size, sparse=Schedule(table, bin_pages),
-                        topk_logprobs=alpha_k(model.config.vocab_size, topk), **engine_kw)
-        ro = engine.generate(prompt_ids, group_size=group_size, seed=seed)
-        alpha = dense_alpha(model, prompt_ids, ro, temperature)
-        st = bin_stats(alpha, ro.mask, ro.budget_dense, bin_pages, n_bins, q=q)
-        return torch.where(st["count"] >= max(1, min_count), st["p5"], float("nan")).tolist()
+        return sparse_tail(model, tokenizer, prompt_ids, Schedule(table, bin_pages), n_bins,
+                           group_size, seed, min_count, max_new_tokens, temperature, page_size,
+                           topk, q, **engine_kw)[1]
 
     return Schedule(calibrate(measure, n_bins, candidates, threshold), bin_pages, threshold)
 

@@ -204,7 +204,11 @@ def lagged_trace(prompt: str, slip: float = 0.0, rng: Optional[random.Random] = 
     stream ends; `max_lines` > 0 cuts a trace that runs past that many lines, which is then a
     prefix with no "#" (SFT trains on it without an end)."""
     digits = [int(c) for c in prompt if c != "\n"]
-    s, pv = digits[1::2], digits[-2]  # the running sums, and the last pair's v
+    return _carry_on(digits[1::2], digits[-2], slip, rng, max_lines)
+
+
+def _carry_on(s, pv, slip=0.0, rng=None, max_lines=0):
+    """lagged_trace from the prompt's running sums `s` (a list it extends) and its last v."""
     lag, out, lines = LAG_LINES * LAG_WIDTH, [], 0
     while not max_lines or lines < max_lines:
         line = []
@@ -228,23 +232,13 @@ def _make_lagged(n: int, seed: int, lo: int, hi: int) -> list[Problem]:
     lag = LAG_LINES * LAG_WIDTH
     while len(out) < n:
         s = [rng.randint(0, 9) for _ in range(lag)]
-        lines, ok = 0, True
-        while ok:  # count the lines only, and give up early on a chain outside [lo, hi]
-            for j in range(LAG_WIDTH):
-                if j == 0 and s[-lag] == 0:
-                    ok = False
-                    break
-                s.append((s[-1] + s[-lag]) % 10)
-            else:
-                lines += 1
-                if lines > hi:
-                    break
+        # without a slip the prompt's v do not matter; a chain past hi lines is cut there
+        trace, answer, d = _carry_on(list(s), 0, max_lines=hi + 1)
         # P(d) falls as 0.9^d: keep a d with chance 0.9^(hi - d), and every d in range is as likely
-        if lo <= lines <= hi and rng.random() < 0.9 ** (hi - lines):
-            pairs = [f"{rng.randint(0, 9)}{x}" for x in s[:lag]]  # the prompt's v are noise
+        if lo <= d <= hi and rng.random() < 0.9 ** (hi - d):
+            pairs = [f"{rng.randint(0, 9)}{x}" for x in s]  # the prompt's v are noise
             prompt = "".join("".join(pairs[i:i + LAG_WIDTH]) + "\n"
                              for i in range(0, lag, LAG_WIDTH))
-            trace, answer, d = lagged_trace(prompt)
             out.append(Problem(prompt, answer, "synthetic", {"difficulty": d, "trace": trace}))
     return out
 

@@ -32,10 +32,9 @@ import tempfile
 import torch
 
 from bench.common import hardware
-from calibrate import calibrated_schedule
+from calibrate import calibrated_schedule, sparse_tail
 from config import parse_config
 from rollout import Engine
-from sparsity import alpha_k, bin_stats, dense_alpha
 from tasks import LAG_LINES, LAG_WIDTH, encode_pool, load_problems, make_synthetic
 from warmstart import build_policy
 
@@ -82,14 +81,10 @@ def attention_share(model, tok, contexts, rows, new, rounds=3):
 
 def check(cfg, model, tok, prompts, sched):
     """One sparse rollout at the schedule: (pages read of dense, p5 alpha per bin, mean context)."""
-    eng = Engine(model, tok, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                 page_size=cfg.page_size, sparse=sched, scorer=cfg.kv_scorer,
-                 dense_layers=cfg.dense_layers, rescore_every=cfg.kv_rescore_every,
-                 topk_logprobs=alpha_k(model.config.vocab_size, cfg.alpha_topk))
-    ro = eng.generate(prompts, group_size=cfg.group_size, seed=cfg.seed)
-    alpha = dense_alpha(model, prompts, ro, cfg.temperature)
-    st = bin_stats(alpha, ro.mask, ro.budget_dense, cfg.kv_bin_pages, len(sched.table))
-    p5 = [x if n >= 20 else float("nan") for x, n in zip(st["p5"].tolist(), st["count"].tolist())]
+    ro, p5 = sparse_tail(model, tok, prompts, sched, len(sched.table), cfg.group_size, cfg.seed,
+                         20, cfg.max_new_tokens, cfg.temperature, cfg.page_size, cfg.alpha_topk,
+                         cfg.kv_quantile, scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers,
+                         rescore_every=cfg.kv_rescore_every)
     t = ro.timings
     ctx = (ro.budget_dense[ro.mask].float().mean().item()) * cfg.page_size
     return t["pages_read"] / max(1, t["pages_dense"]), p5, ctx
