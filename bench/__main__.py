@@ -33,13 +33,17 @@ def main(argv):
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: torch's default); on a busy machine 1 thread is "
                         "steadier than several that wait on each other")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="sparrow: training runs at a time, each in its own process at --threads "
+                        "(0: run none, only tabulate the runs recorded so far)")
     p.add_argument("--write-results", action="store_true",
                    help="rewrite the section's marked block of bench/RESULTS.md")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     section = importlib.import_module(f"bench.{args.section}")
-    table = "\n".join(section.run(args.quick, " ".join(["python -m bench"] + argv)))
+    extra = {"jobs": args.jobs} if args.section == "sparrow" else {}
+    table = "\n".join(section.run(args.quick, " ".join(["python -m bench"] + argv), **extra))
     print("\n" + table)
     if args.write_results:
         name = os.path.relpath(RESULTS)

@@ -1,6 +1,6 @@
 """
 bench/sparrow.py: stage 2 in the loop, the miniature Sparrow experiment on the long-CoT config
-(configs/lagged.py: 1,000-3,100 generated tokens a rollout). Five training runs from one warm start,
+(configs/lagged.py: 1,000-1,800 generated tokens a rollout). Five training runs from one warm start,
 per seed:
     (a) dense, (b) a fixed aggressive budget (FIXED pages a step), (c) the p5-held schedule
     (calibrated at the start, then held by the controller), (d) (c) + DistillSparse, (e) (b) +
@@ -21,25 +21,40 @@ Simplifications:
     3. The runs' policies differ (each trains on its own rollouts), so per-bin figures across runs
        are noisy; tests/test_distill.py checks DistillSparse on a fixed batch.
 
-    python -m bench sparrow --threads 1       # hours at 1 thread: 15 runs of 1,000-3,000 tokens
-    python -m bench sparrow --quick           # 2 steps, a short warm start: a smoke run
+    4. Each run is its own process (python -m bench.sparrow RECORD ARGS...) that writes its summary
+       and arguments to bench/sparrow_runs/armI-seedS.json (its log beside it, not kept in git).
+       A full bench skips the runs already recorded with the same arguments, so one that stopped
+       part way resumes, and --jobs 0 tabulates the records without running anything.
+
+    python -m bench sparrow --threads 1 --jobs 2   # hours: 15 runs, 2 at a time, 1 thread each
+    python -m bench sparrow --jobs 0               # the table and plot of the runs recorded so far
+    python -m bench sparrow --quick                # 2 steps, a short warm start: a smoke run
 """
 
 import dataclasses
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
+
+import torch
 
 import train
 from bench.common import hardware
 from config import parse_config
-from warmstart import cache_path
+from warmstart import build_policy
 
 CONFIG = "configs/lagged.py"
 SEEDS = (0, 1, 2)
 # pages a decode step for run (b): with pages of 64, only the pages every step reads (the first, the
 # last full one and the partial one), so no page 256 tokens back unless it is one of those
 FIXED = 3
+# each full run's record (its arguments and summary): the table and plot are rebuilt from these,
+# and a bench that stopped part way resumes at the first run not recorded
+RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sparrow_runs")
 
 
 def arms(fixed):
@@ -139,38 +154,101 @@ def plot(results, path, threshold):
     fig.savefig(path, dpi=110)
 
 
-def run(quick, cmd):
+def one(path, args):
+    """One training run, train.main(args); its summary, with its arguments, written to path."""
+    hist = train.main(args)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"args": args, "summary": summary(hist)}, f)
+    os.replace(path + ".tmp", path)  # a run killed mid-write leaves no record, so it reruns
+
+
+def path_of(args, flag):
+    """The value of `flag` (e.g. "--out_dir=") in a list of command-line arguments."""
+    return next(x[len(flag):] for x in args if x.startswith(flag))
+
+
+def same_run(a, b):
+    """Two runs' arguments agree on all that shapes the result (not out_dir or threads)."""
+    keep = lambda args: [x for x in args if not x.startswith(("--out_dir=", "--threads="))]
+    return keep(a) == keep(b)
+
+
+def plan_runs(args, seeds, records, root):
+    """[(arm, seed, its record's path, its train.py arguments)], seed by seed."""
+    return [(name, seed, f"{records}/arm{i}-seed{seed}.json",
+             args + extra + [f"--seed={seed}", f"--out_dir={root}/sparrow-arm{i}-seed{seed}"])
+            for seed in seeds for i, (name, extra) in enumerate(arms(FIXED).items())]
+
+
+def recorded(path, args):
+    """The summary recorded at path by a run of the same arguments (same_run), else None."""
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except FileNotFoundError:
+        return None
+    return rec["summary"] if same_run(rec["args"], args) else None
+
+
+def run(quick, cmd, jobs=1):
     """-> the table, its own head included (its columns differ from the other sections')."""
     hw = hardware()
     small = ["--steps=2", "--sft_steps=10", "--sft_init=", "--n_eval=4", "--eval_every=1",
              "--calib_prompts=2", "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=96",
              "--difficulty=(1,2)"]
     seeds = SEEDS[:2] if quick else SEEDS
-    args = [CONFIG, "--plot=false", "--sft_seed=0"] + (small if quick else [])
-    root = tempfile.mkdtemp(prefix="zeros-bench-sparrow-")
+    threads = f"--threads={torch.get_num_threads()}"
+    args = [CONFIG, "--plot=false", "--sft_seed=0", threads] + (small if quick else [])
     cfg = parse_config(args)
-    runs = {name: [] for name in arms(FIXED)}
-    cached = cache_path(cfg)  # built by `python train.py configs/lagged.py`, if it ran
+    # a full run keeps each run's record in RUNS and skips the runs recorded with the same
+    # arguments: the 15 runs take hours, and an interrupted bench resumes where it stopped
+    tmp, live = tempfile.mkdtemp(prefix="zeros-bench-sparrow-"), []
+    records, root = (tmp, tmp) if quick else (RUNS, os.path.dirname(cfg.out_dir) or ".")
+    os.makedirs(records, exist_ok=True)
+    plan = plan_runs(args, seeds, records, root)
+    todo = [p for p in plan if recorded(p[2], p[3]) is None] if jobs else []
+    print(f"{len(plan) - len(todo)} of {len(plan)} runs recorded in {os.path.relpath(records)}; "
+          f"running {len(todo)}, {jobs} at a time (each one's log beside its record)", flush=True)
     try:
-        if os.path.isdir(cached) and not quick:  # every run shares root's cache: one warm start
-            shutil.copytree(cached, cache_path(dataclasses.replace(cfg, out_dir=f"{root}/x")))
-        for seed in seeds:
-            for i, (name, extra) in enumerate(arms(FIXED).items()):
-                out = f"{root}/arm{i}-seed{seed}"
-                print(f"--- {name}, seed {seed}", flush=True)
-                hist = train.main(args + extra + [f"--seed={seed}", f"--out_dir={out}"])
-                runs[name].append(summary(hist))
+        if todo and jobs > 1:  # the runs share one warm start: build it before they start
+            tok_dir = f"{root}/sparrow-warmstart"  # build_policy writes a tokenizer there
+            build_policy(dataclasses.replace(cfg, out_dir=tok_dir), torch.device("cpu"), print)
+            shutil.rmtree(tok_dir, ignore_errors=True)
+        waiting, t0 = list(todo), time.time()
+        while waiting or live:
+            while waiting and len(live) < jobs:
+                name, seed, path, a = waiting.pop(0)
+                log = open(path[:-5] + ".log", "w")
+                proc = subprocess.Popen([sys.executable, "-m", "bench.sparrow", path] + a,
+                                        stdout=log, stderr=subprocess.STDOUT)
+                live.append((proc, name, seed, path, a, log, time.time()))
+            time.sleep(1)
+            for item in [x for x in live if x[0].poll() is not None]:
+                proc, name, seed, path, a, log, t = item
+                live.remove(item)
+                log.close()
+                if proc.returncode:
+                    raise RuntimeError(f"{name}, seed {seed} failed (exit {proc.returncode}): "
+                                       f"see {path[:-5]}.log")
+                shutil.rmtree(path_of(a, "--out_dir="), ignore_errors=True)  # its checkpoints
+                print(f"[{len(todo) - len(waiting) - len(live)}/{len(todo)}] {name}, seed "
+                      f"{seed}: {(time.time() - t) / 60:.1f} min ({(time.time() - t0) / 60:.0f} "
+                      f"min in all)", flush=True)
+        runs = {name: [r for n, _, path, a in plan if n == name
+                       for r in [recorded(path, a)] if r is not None] for name in arms(FIXED)}
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-    results = {name: aggregate(r) for name, r in runs.items()}
+        for proc, *_ in live:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    results = {name: aggregate(r) for name, r in runs.items() if r}  # --jobs 0: maybe not all
     os.makedirs("assets", exist_ok=True)
     plot(results, "assets/sparrow.png", cfg.kv_target)
     pm = lambda m_sd, f=".3f": "-" if m_sd[0] != m_sd[0] else f"{m_sd[0]:{f}} ± {m_sd[1]:{f}}"
     fmt_bins = lambda xs: " ".join("-" if x != x else f"{x:.2f}" for x in xs) or "-"
-    dense_ms = results["(a) dense"]["ms"][0]
+    dense_ms = results["(a) dense"]["ms"][0] if "(a) dense" in results else float("nan")
     rows = []
     for name, a in results.items():
-        rows.append(f"| {name} | {pm(a['reward0'])} -> {pm(a['reward1'])} | "
+        rows.append(f"| {name} | {len(runs[name])} | {pm(a['reward0'])} -> {pm(a['reward1'])} | "
                     f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['alpha'])} | {pm(a['p5'])} | "
                     f"{fmt_bins(a['bins']['mean'])} | {fmt_bins(a['bins']['p5'])} | "
                     f"{pm(a['kv_read'], '.2f')} | "
@@ -182,9 +260,13 @@ def run(quick, cmd):
             f"threshold p5 alpha >= {cfg.kv_target}, bins of {cfg.kv_bin_pages} pages of "
             f"{cfg.page_size} tokens, first {cfg.dense_layers} layer(s) dense. Mean ± standard "
             f"deviation over the seeds.", "",
-            "| run | reward, first -> last fifth of the steps | held-out accuracy, start -> end | "
+            "| run | seeds | reward, first -> last fifth of the steps | held-out accuracy, start -> end | "
             "alpha mean (all tokens) | alpha p5 (all tokens) | mean alpha per bin | p5 alpha per "
             "bin | KV pages read (of dense) | rollout time per token (vs the dense runs) | rollout "
             "speedup vs dense, same step, same weights | table at the end (first seed) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     return head + rows
+
+
+if __name__ == "__main__":  # one run, in its own process: python -m bench.sparrow RECORD ARGS...
+    one(sys.argv[1], sys.argv[2:])

@@ -1,5 +1,6 @@
 """bench/cost.py's cost-model check (row (e) of `python -m bench rollout`) on a tiny model: the engine's measured
 decode times and bench.cost.rollout_cost's prediction for the same schedule and lengths, and the rows' layout."""
+import json
 import os
 
 import torch
@@ -102,3 +103,27 @@ def test_sparrow_aggregates_seeds_into_mean_and_standard_deviation(tmp_path):
     assert a["ms"][0] == 2.0 and a["speedup"][0] != a["speedup"][0]  # no dense comparison: NaN
     sparrow.plot({"(c) held": a}, str(tmp_path / "sparrow.png"), 0.86)
     assert (tmp_path / "sparrow.png").stat().st_size > 0
+
+
+def test_sparrow_tabulates_the_recorded_runs_and_reruns_a_changed_one(tmp_path, monkeypatch):
+    """A full sparrow bench keeps each run's record; `--jobs 0` tabulates what is recorded, and a
+    record whose arguments differ from the plan's (here its lr) is not taken."""
+    from bench import sparrow
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sparrow, "RUNS", str(tmp_path))
+    monkeypatch.setattr(sparrow, "plot", lambda *a: None)
+    args = [sparrow.CONFIG, "--plot=false", "--sft_seed=0", "--threads=1"]
+    plan = sparrow.plan_runs(args, sparrow.SEEDS, str(tmp_path), "out")
+    assert len(plan) == 5 * len(sparrow.SEEDS) and plan[0][1] == plan[4][1] == 0  # seed by seed
+    recs = [{"step": 0, "reward": 0.5, "kv_read": 1.0, "gen_s": 2.0, "new_tokens": 1000, "acc": 0.75}]
+    summary = sparrow.summary({"records": recs, "acc0": 0.5})
+    for name, seed, path, a in plan[:2]:  # (a) and (b) at seed 0; (b)'s at another lr
+        a = [x.replace("--threads=1", "--threads=2") for x in a] + ["--lr=1e-3"] * (a != plan[0][3])
+        with open(path, "w") as f:
+            json.dump({"args": a, "summary": summary}, f)
+    assert sparrow.recorded(plan[0][2], plan[0][3])["acc"] == 0.75  # threads and out_dir aside
+    assert sparrow.recorded(plan[1][2], plan[1][3]) is None
+    lines = sparrow.run(False, "python -m bench sparrow --jobs 0", jobs=0)
+    rows = [line.split(" | ") for line in lines if line.startswith("| (")]
+    assert [(r[0], r[1]) for r in rows] == [("| (a) dense", "1")]
+    assert rows[0][3] == "0.500 ± 0.000 -> 0.750 ± 0.000"
