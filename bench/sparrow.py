@@ -24,7 +24,8 @@ Simplifications:
     4. Each run is its own process (python -m bench.sparrow RECORD ARGS...) that writes its summary
        and arguments to bench/sparrow_runs/armI-seedS.json (its log beside it, not kept in git).
        A full bench skips the runs already recorded with the same arguments, so one that stopped
-       part way resumes, and --jobs 0 tabulates the records without running anything.
+       part way resumes, and --jobs 0 tabulates the records without running anything. A change
+       of code is not seen: delete the records to rerun them.
 
     python -m bench sparrow --threads 1 --jobs 2   # hours: 15 runs, 2 at a time, 1 thread each
     python -m bench sparrow --jobs 0               # the table and plot of the runs recorded so far
