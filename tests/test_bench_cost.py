@@ -118,7 +118,8 @@ def test_sparrow_tabulates_the_recorded_runs_and_reruns_a_changed_one(tmp_path, 
     recs = [{"step": 0, "reward": 0.5, "kv_read": 1.0, "gen_s": 2.0, "new_tokens": 1000, "acc": 0.75}]
     summary = sparrow.summary({"records": recs, "acc0": 0.5})
     for name, seed, path, a in plan[:2]:  # (a) and (b) at seed 0; (b)'s at another lr
-        a = [x.replace("--threads=1", "--threads=2") for x in a] + ["--lr=1e-3"] * (a != plan[0][3])
+        a = [x.replace("--threads=1", "--threads=2").replace("--out_dir=out/", "--out_dir=elsewhere/")
+             for x in a] + ["--lr=1e-3"] * (a != plan[0][3])
         with open(path, "w") as f:
             json.dump({"args": a, "summary": summary}, f)
     assert sparrow.recorded(plan[0][2], plan[0][3])["acc"] == 0.75  # threads and out_dir aside
