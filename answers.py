@@ -10,7 +10,7 @@ extractors and the comparison that the reward's cheap stages use (reward.py).
 What is here:
     extractors         the answer a completion gives: the final value after "####" (GSM8K), the
                        last \\boxed{} (MATH, one linear scan), the one digit after the last "#"
-                       (synthetic)
+                       (synthetic), everything after the last "####" (reasoning-gym)
     comparison         normalize_answer and cheap_verdict, the reward's stage 3: plain numbers by
                        exact value; None where only a verifier can tell
 
@@ -102,6 +102,15 @@ def extract_boxed(text: str) -> Optional[str]:
     return None if best is None else text[best[1]:best[2]].strip()
 
 
+def extract_final(text: str) -> Optional[str]:
+    """Everything after the last "####", stripped (reasoning-gym: an answer may be an expression,
+    a list or several lines, and the library's scorer reads it whole): "so\\n#### 3 + 4" ->
+    "3 + 4". None when there is no "####"."""
+    if not isinstance(text, str) or "####" not in text:
+        return None
+    return text[text.rfind("####") + 4:].strip()
+
+
 def extract_synthetic(text: str) -> Optional[str]:
     """The one digit after the last "#", when only whitespace follows it: "a=7>7 b=2>9 #9" -> "9".
     "#9>", "#3 or 4", "#12" -> None."""
@@ -116,6 +125,7 @@ EXTRACTORS: dict[str, Callable[[str], Optional[str]]] = {
     "synthetic": extract_synthetic,
     "gsm8k": extract_hash_answer,
     "math": extract_boxed,
+    "reasoning_gym": extract_final,
 }
 
 

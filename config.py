@@ -17,7 +17,7 @@ import difflib
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -46,8 +46,13 @@ class Config:
     n_expert_active: int = 2  # k of the top-k
     moe_ffn: int = 96
     # data
-    # synthetic | gsm8k | math | code (MBPP, rewarded by unit tests in the sandbox)
+    # synthetic | gsm8k | math | code (MBPP, rewarded by unit tests in the sandbox) |
+    # reasoning_gym:<name>, one of reasoning-gym's generators (tasks.py: e.g. chain_sum, countdown)
     task: str = "synthetic"
+    # reasoning_gym tasks: the generator's settings, its config's fields, e.g. {"min_terms": 2,
+    # "max_terms": 4}; checked against the generator's own config when the config is parsed.
+    # n_train, n_eval and seed set the sizes and seeds: "size" and "seed" are refused here
+    rg_kwargs: dict = field(default_factory=dict)
     # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
     data: str = ""
     difficulty: tuple = (2, 8)  # synthetic task: range of chain lengths
@@ -262,7 +267,7 @@ def parse_config(argv):
 MARKED_VARS = 14  # the synthetic task's order "marked": the items every prompt lists (tasks.py)
 
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
-           "autocast": ("none", "bfloat16"), "task": ("synthetic", "gsm8k", "math", "code"),
+           "autocast": ("none", "bfloat16"),
            "order": ("defined", "shuffled", "marked", "lagged"),
            "kv_scorer": ("centroid", "quest", "oracle"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
@@ -361,6 +366,7 @@ def check(cfg):
         raise bad("n_expert_active", f"within [1, n_expert={cfg.n_expert}]")
     check_kv_budget(cfg)
     check_processes(cfg)
+    check_task(cfg)
 
 
 def check_kv_budget(cfg):
@@ -387,6 +393,57 @@ def check_kv_budget(cfg):
                 if miss]
         if need:
             raise ValueError(f"config key 'distill_r' needs {', '.join(need)}")
+
+
+RG_PREFIX = "reasoning_gym:"
+
+
+def check_task(cfg):
+    """task and rg_kwargs. A reasoning_gym task names one of the library's generators, and
+    rg_kwargs may set only the fields of that generator's config (its own validate() then checks
+    their values): a misspelt name or setting is refused here, with the names it could be."""
+    if not cfg.task.startswith(RG_PREFIX):
+        if cfg.task not in ("synthetic", "gsm8k", "math", "code"):
+            raise ValueError(f"config key 'task' must be synthetic, gsm8k, math, code or "
+                             f"{RG_PREFIX}<name>, got {cfg.task!r}")
+        if cfg.rg_kwargs:
+            raise ValueError(f"config key 'rg_kwargs' must be empty unless task is "
+                             f"{RG_PREFIX}<name>, got {cfg.rg_kwargs!r}")
+        return
+    try:  # lazy: 1.5 s to import, and only these tasks need it
+        from reasoning_gym.factory import DATASETS
+    except ImportError:
+        raise ValueError(f"config key 'task' ({cfg.task}) needs reasoning-gym "
+                         f"(pip install reasoning-gym)") from None
+    name = cfg.task[len(RG_PREFIX):]
+    if name not in DATASETS:
+        near = difflib.get_close_matches(name, DATASETS, n=3)
+        raise ValueError(f"config key 'task': reasoning-gym has no dataset {name!r}"
+                         + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    config_cls = DATASETS[name][1]
+    settings = sorted(f.name for f in dataclasses.fields(config_cls)
+                      if f.name not in ("size", "seed"))
+    ours = [k for k in cfg.rg_kwargs if k in ("size", "seed")]
+    if ours:
+        raise ValueError(f"config key 'rg_kwargs' may not set {' or '.join(ours)}: n_train, "
+                         f"n_eval and seed set the sizes and seeds of {name}")
+    unknown = [k for k in cfg.rg_kwargs if k not in settings]
+    if unknown:
+        near = difflib.get_close_matches(str(unknown[0]), settings, n=1)
+        raise ValueError(f"config key 'rg_kwargs': {name} has no setting "
+                         f"{', '.join(map(repr, unknown))}"
+                         + (f" (did you mean {near[0]!r}?)" if near else "")
+                         + f"; its settings: {', '.join(settings)}")
+    try:  # the generator's own checks of the values (min <= max, ...), before any generation
+        made = config_cls(**cfg.rg_kwargs)
+        if hasattr(made, "validate"):
+            made.validate()
+    except Exception as e:
+        raise ValueError(f"config key 'rg_kwargs': {name} refuses {cfg.rg_kwargs!r}: "
+                         f"{type(e).__name__}: {e}") from None
+    if not cfg.model:  # warmstart.py writes synthetic traces only
+        raise ValueError(f"config key 'task' ({cfg.task}) needs model=<a hub name or folder>: "
+                         f"the tiny model's warm start has no teacher traces for it yet")
 
 
 def check_processes(cfg):

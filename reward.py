@@ -10,9 +10,14 @@ see only what the cheap ones let through:
               ast.parse accepts), at most max_chars long. A failure scores 0 and stops
     3 exact   answers.cheap_verdict: equal after normalize_answer, plain numbers by exact value
               (072 = 72, .5 = 1/2 = \\frac{1}{2}, 0.333333 != 1/3), a decimal approximation of a
-              symbolic reference fails (1.41421356 for \\sqrt{2}). What it settles stops here
+              symbolic reference fails (1.41421356 for \\sqrt{2}). What it settles stops here.
+              reasoning-gym: the answer equal to the reference (stripped) scores 1 here, as every
+              generator's own scorer gives its reference; anything else goes on to stage 4
     4 verify  math-verify symbolic equivalence for math and gsm8k answers (\\frac{\\sqrt{2}}{2} =
-              \\frac{1}{\\sqrt{2}}); the unit tests in the sandbox (sandbox.py) for code
+              \\frac{1}{\\sqrt{2}}); the unit tests in the sandbox (sandbox.py) for code; for
+              reasoning-gym the library's own score_answer(answer, item), the last stage: a
+              countdown expression that makes the target another way scores 1, and its partial
+              credit stays (countdown 0.05 for the right numbers, gsm_symbolic 0.01 for a number)
     5 judge   optional, a callable (prompt, completion, reference) -> float (a small model, a user
               function): a second look at what was rejected (judge_on="rejected") or a grade for
               what passed ("passed"); tasks with no verifier go to it directly
@@ -20,8 +25,9 @@ see only what the cheap ones let through:
 that decided it and that call's seconds; per stage the completions that reached it and its time;
 the truncated, errors and timeouts. `summary()` gives the short dict for the log line. A verifier
 or judge that raises, hangs or returns a non-number gives 0, is counted, and never stops the loop:
-math-verify runs in a worker process killed at its deadline (it hangs for good on
-10^{10^{10^{10}}}), the judge on a fixed pool of judge_workers threads; a judge score that is not
+math-verify and reasoning-gym's scorers run in a worker process killed at its deadline (math-verify
+hangs for good on 10^{10^{10^{10}}}, countdown's scorer on 9**9**9**9), the judge on a fixed pool
+of judge_workers threads; a judge score that is not
 finite or beyond +-1e6 (1e39 is inf in float32) is an error. `overlong_penalty` is DAPO's soft
 overlong punishment, for the loop to add to the rewards.
 
@@ -40,6 +46,11 @@ Simplifications:
   7. Stage 3 settles plain numbers by exact value, and fails a decimal approximation of a
      symbolic reference, because math-verify rounds (it calls 0.333333 and 1/3, 1.41421356 and
      \\sqrt{2} equal); what stage 3 leaves to math-verify (expressions) keeps that rounding.
+  8. reasoning-gym's scorers are not all pure: countdown's reads the answer with sympy's
+     parse_expr, which evaluates it as Python. So they run in the math-verify worker, with its
+     deadline and memory cap, and that worker may write no file (RLIMIT_FSIZE 0); it is not a
+     sandbox: it runs as our user. Stage 3 settles only an answer equal to the reference: a
+     wrong number goes on to the scorer too, which may give partial credit.
 
     with Cascade(max_chars=8000) as cascade:
         res = cascade.score_batch(problems, completions, group_size=8, finish=ro.finish)
@@ -51,6 +62,7 @@ Simplifications:
 from __future__ import annotations
 
 import ast
+import base64
 import importlib
 import importlib.util
 import inspect
@@ -58,6 +70,7 @@ import json
 import math
 import numbers
 import os
+import pickle
 import select
 import subprocess
 import sys
@@ -82,6 +95,8 @@ def score_one(problem, completion: str) -> float:
     The cheap path only (no math-verify, no sandbox): what the Cascade below would send to
     math-verify scores 0 here."""
     pred = extract_answer(problem.task, completion if isinstance(completion, str) else "")
+    if problem.task == RG_TASK:  # stage 3's rule for reasoning-gym: the reference itself
+        return 1.0 if pred is not None and pred.strip() == problem.answer.strip() else 0.0
     return 1.0 if pred is not None and cheap_verdict(pred, problem.answer) else 0.0
 
 
@@ -119,6 +134,7 @@ def overlong_penalty(lengths: Sequence[int], max_new_tokens: int, buffer: int,
 
 STAGES = ("dedup", "cheap", "exact", "verify", "judge")
 MATH_VERIFY_TASKS = ("gsm8k", "math")  # answers that stage 3 cannot settle go on to math-verify
+RG_TASK = "reasoning_gym"  # ... and reasoning-gym's to the library's scorer
 
 
 def _real(x) -> float:
@@ -230,20 +246,24 @@ def _parallel(fn: Callable, items: list, workers: int) -> list:
 
 
 class _MathWorker:
-    """One math-verify process (`python reward.py --math-worker ...`), spoken to in JSON lines.
+    """One math-verify process (`python reward.py --math-worker ...`), spoken to in JSON lines; it
+    also runs reasoning-gym's scorers.
 
     A call past its deadline kills the process and the next call starts a fresh one (about a
-    second: importing sympy). A worker that dies (e.g. on its memory cap) is restarted the same way.
+    second: importing sympy; 1.5 s more with reasoning-gym, imported once a scorer is asked for).
+    A worker that dies (e.g. on its memory cap) is restarted the same way.
     """
 
     def __init__(self, mem_mb: int, timeout_s: float):
         self.mem_mb, self.timeout_s, self.proc = int(mem_mb), float(timeout_s), None
+        self.rg = False  # whether the process imports reasoning-gym when it starts
 
     def _start(self) -> None:
         alarm_s = math.ceil(self.timeout_s) + 1  # the worker's own alarm fires after our deadline
         here = os.path.abspath(__file__)
         self.proc = subprocess.Popen(
-            [sys.executable, here, "--math-worker", str(self.mem_mb), str(alarm_s)],
+            [sys.executable, here, "--math-worker", str(self.mem_mb), str(alarm_s)]
+            + (["--rg"] if self.rg else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             cwd=os.path.dirname(here))
         ready = self._read(time.monotonic() + 120)  # the first import can be slow on a busy machine
@@ -263,22 +283,39 @@ class _MathWorker:
 
     def check(self, gold: str, pred: str) -> tuple:
         """(equal, "ok"), (None, "timeout") or (None, "error: ...")."""
+        reply, status = self._ask({"gold": gold, "pred": pred}, "math-verify")
+        return (bool(reply.get("equal")), status) if status == "ok" else (None, status)
+
+    def score_rg(self, meta: dict, pred: str) -> tuple:
+        """reasoning-gym's score_answer(pred, item) for a problem's meta (tasks.make_reasoning_gym)
+        -> (score, "ok"), (None, "timeout") or (None, "error: ..."). The item travels pickled:
+        its metadata keeps its tuples, which JSON would make lists."""
+        if not self.rg:  # a worker started without reasoning-gym: the next start imports it
+            self.rg = True
+            self.kill()
+        item = (meta["rg_name"], meta.get("rg_kwargs") or {}, pred, meta["entry"])
+        req = {"rg": base64.b64encode(pickle.dumps(item)).decode()}
+        reply, status = self._ask(req, f"reasoning-gym {meta['rg_name']}")
+        return (reply.get("score"), status) if status == "ok" else (None, status)
+
+    def _ask(self, request: dict, what: str) -> tuple:
+        """(reply, "ok"), or (None, "timeout" | "error: ..."); a hung worker is killed."""
         try:
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
-            self.proc.stdin.write((json.dumps({"gold": gold, "pred": pred}) + "\n").encode())
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
             reply = self._read(time.monotonic() + self.timeout_s)
         except (OSError, RuntimeError, ValueError) as e:
             self.kill()
-            return None, f"error: math-verify worker: {e}"
+            return None, f"error: {what} worker: {e}"
         if reply is None:
             hung = self.proc.poll() is None
             self.kill()
-            return (None, "timeout") if hung else (None, "error: the math-verify worker died")
+            return (None, "timeout") if hung else (None, f"error: the {what} worker died")
         if "error" in reply:
-            return None, f"error: math-verify: {reply['error']}"
-        return bool(reply.get("equal")), "ok"
+            return None, f"error: {what}: {reply['error']}"
+        return reply, "ok"
 
     def kill(self) -> None:
         proc, self.proc = self.proc, None
@@ -289,10 +326,12 @@ class _MathWorker:
             proc.stdout.close()
 
 
-def _math_worker(mem_mb: int, alarm_s: int) -> None:
-    """The worker's loop: one request {"gold", "pred"} per line in, one reply per line out."""
+def _math_worker(mem_mb: int, alarm_s: int, rg: bool = False) -> None:
+    """The worker's loop: one request per line in ({"gold", "pred"} for math-verify, {"rg": the
+    pickled (name, settings, answer, item)} for a reasoning-gym scorer), one reply per line out."""
     import functools
     import resource
+    import signal
 
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # a library that prints writes to stderr, never into the replies
@@ -308,14 +347,32 @@ def _math_worker(mem_mb: int, alarm_s: int) -> None:
 
         from math_verify import parse, verify
         logging.disable(logging.WARNING)  # math-verify logs every parse failure
+        if rg:
+            import reasoning_gym
     except Exception as e:
         return send({"ready": False, "error": f"{type(e).__name__}: {e}"})
+    # countdown's scorer evaluates the answer as Python (sympy's parse_expr): it may write no file
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # replies go to a pipe, not a file
     parse_gold = functools.lru_cache(maxsize=4096)(
         lambda s: parse(f"${s}$", parsing_timeout=alarm_s))
+    scorers = {}  # (name, settings) -> score_answer of a dataset made once
+
+    def rg_score(name, kwargs, answer, item):
+        key = (name, repr(sorted(kwargs.items())))
+        if key not in scorers:  # size 1: some generators build their items when made
+            scorers[key] = reasoning_gym.create_dataset(name, size=1, seed=0, **kwargs).score_answer
+        return float(scorers[key](answer, item))
+
     send({"ready": True})
     for line in sys.stdin:
         try:
             req = json.loads(line)
+            if "rg" in req:  # pickled by our own trainer, so safe to load
+                signal.alarm(alarm_s)  # an orphan stuck in a scorer ends (we kill it sooner)
+                score = rg_score(*pickle.loads(base64.b64decode(req["rg"])))
+                signal.alarm(0)
+                send({"score": score})
+                continue
             gold, pred = parse_gold(req["gold"]), parse(f"${req['pred']}$", parsing_timeout=alarm_s)
             send({"equal": bool(gold and pred and verify(gold, pred, timeout_seconds=alarm_s))})
         except BaseException as e:  # MemoryError included: report it and take the next request
@@ -372,9 +429,9 @@ class Cascade:
     and the judge's threads: close() it when done, or use it in a `with` block.
 
     max_chars: longer completions fail the cheap checks (None: no limit). math_verify: False lets
-    stage 3 alone decide math and gsm8k (what it cannot settle scores 0). verify_timeout_s,
-    verify_workers, verify_mem_mb: the deadline of one math-verify call, the number of worker
-    processes, the memory cap of each.
+    stage 3 alone decide math and gsm8k (what it cannot settle scores 0); reasoning-gym's scorers
+    run either way. verify_timeout_s, verify_workers, verify_mem_mb: the deadline of one
+    math-verify or reasoning-gym call, the number of worker processes, the memory cap of each.
     code_limits: sandbox limits (run_tests keywords); code_workers: sandbox runs at a time.
     judge, judge_on ("rejected" or "passed"), judge_timeout_s (the deadline of one call),
     judge_workers (the judge's threads, all it will ever use): see stage 5.
@@ -543,6 +600,12 @@ class Cascade:
                 (to_verify if p.task == "code" else to_judge).append(i)
                 continue
             res.reached["exact"] += 1
+            if p.task == RG_TASK:  # its reference scores 1; the rest only its scorer can say
+                if pred.strip() == str(p.answer).strip():
+                    self._settle(res, i, "exact", 1.0, to_judge)
+                else:
+                    to_verify.append(i)
+                continue
             verdict = cheap_verdict(pred, p.answer)
             if verdict is None and self.math_verify and p.task in MATH_VERIFY_TASKS:
                 to_verify.append(i)
@@ -560,7 +623,8 @@ class Cascade:
             to_judge.append(i)
 
     def _verify(self, problems, preds, idx, to_judge, res) -> None:
-        """Stage 4, on threads: math-verify for math and gsm8k, the sandbox's tests for code."""
+        """Stage 4, on threads: math-verify for math and gsm8k, the sandbox's tests for code,
+        reasoning-gym's own scorer for its tasks."""
         res.reached["verify"] += len(idx)
         threads = max(self.code_workers, len(self._workers))
         outs = _parallel(lambda i: self._verify_one(problems[i], preds[i]), idx, threads)
@@ -582,6 +646,9 @@ class Cascade:
                 return float(r.passed), status, time.perf_counter() - t, r.status
             worker = self._idle.get()
             try:
+                if problem.task == RG_TASK:  # a score in [0, 1]; None where the call failed
+                    value, status = worker.score_rg(problem.meta, pred)
+                    return (0.0 if value is None else value), status, time.perf_counter() - t, None
                 equal, status = worker.check(str(problem.answer), pred)
             finally:
                 self._idle.put(worker)
@@ -632,7 +699,7 @@ def load_judge(spec: str) -> Optional[Callable]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--math-worker"]:
-        sys.exit(_math_worker(int(sys.argv[2]), int(sys.argv[3])))
+        sys.exit(_math_worker(int(sys.argv[2]), int(sys.argv[3]), "--rg" in sys.argv[4:]))
     half, root = Problem("?", r"\frac{1}{2}", "math"), Problem("?", r"\frac{\sqrt{2}}{2}", "math")
     add = Problem("Write add(a, b).", "", "code", {"test_list": ["assert add(1, 2) == 3"]})
     code = "```python\ndef add(a, b){}\n```".format

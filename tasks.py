@@ -13,9 +13,25 @@ What is here:
     loaders            GSM8K, MATH and MBPP (code), from hub names or local .jsonl/.json/.parquet
                        files; malformed rows (not UTF-8, not JSON, not an object, a field missing)
                        are skipped with one warning that counts them and names the file and lines
+    reasoning-gym      its procedural generators (chain_sum, countdown, gsm_symbolic, ... over
+                       100), offline; each item keeps its entry for the library's score_answer
     load_problems / encode_pool   a config's pool and held-out set (synthetic: disjoint from the
                        pool and the warm start's SFT data by prompt), and their token ids
 How an answer is read back and compared with the reference is answers.py's.
+
+reasoning-gym tasks: `task="reasoning_gym:<name>"`, the generator's settings in `rg_kwargs`
+(config.py checks both when the config is parsed), e.g.
+
+    python train.py configs/countdown_qwen3.py
+    make_reasoning_gym("chain_sum", 4, seed=0, kwargs={"min_terms": 2, "max_terms": 3})
+
+A problem's prompt is the item's question and RG_INSTRUCTION ("####" then the answer: answers.py
+reads what follows the last "####"); its answer is the item's, and meta["entry"] the whole item,
+which the reward's last stage hands to the library's score_answer (reward.py). The pool, the
+held-out set and the warm start's SFT data are drawn from seeds RG_SPLIT apart (reasoning-gym
+draws item i from seed + i), and held-out items whose question the pool or the SFT data hold are
+dropped. meta["difficulty"] is the item's value of the first knob its generator ranges over
+(chain_sum: the number of terms; countdown: how many numbers), where that is a whole number.
 
 Simplifications:
     1. A dataset without its own test split (a local file) holds out its last n_eval rows.
@@ -23,6 +39,10 @@ Simplifications:
     3. The synthetic task's tokenizer is one token per character; the real models bring their own.
     4. Local .jsonl/.json files are read here, line by line (a .json file may also be one array of
        objects); hub names and .parquet files go through `datasets`.
+    5. A reasoning-gym item with no reference answer is a malformed row: generators that leave
+       every answer out (rush_hour, graph_color, ...: any valid answer scores) are not supported.
+       For the character tokenizer, items that use a character it lacks (gsm_symbolic's "€") are
+       skipped and counted the same way; the real models' tokenizers take any text.
 
 `python -m pytest -q tests/test_prompts.py tests/test_data.py` checks the task and the loaders.
 """
@@ -41,17 +61,19 @@ from typing import (TYPE_CHECKING, Iterable, Iterator, NamedTuple, Optional, Seq
                     Union)
 
 from answers import extract_boxed, extract_hash_answer
-from config import MARKED_VARS
+from config import MARKED_VARS, RG_PREFIX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-TASKS = ("synthetic", "gsm8k", "math", "code")
+TASKS = ("synthetic", "gsm8k", "math", "code", "reasoning_gym")
 ORDERS = ("defined", "shuffled", "marked", "lagged")  # the synthetic task's variants
 GSM8K_INSTRUCTION = ("\nSolve the problem step by step, then end with a line of the form "
                      "\"#### <answer>\".")
 MATH_INSTRUCTION = "\nSolve the problem step by step, and put the final answer in \\boxed{}."
 CODE_INSTRUCTION = "\nWrite the complete Python code in a ```python code block."
+RG_INSTRUCTION = "\nEnd with \"#### \" and the final answer."
+RG_SPLIT = 1_000_000_000  # reasoning-gym seeds of the pool, the held-out set and the SFT data
 
 
 @dataclass
@@ -501,6 +523,51 @@ def load_mbpp(source: str = "google-research-datasets/mbpp", split: str = "train
     return problems_from_mbpp_rows(_load_rows(source, split, None), f"mbpp ({source})", limit)
 
 
+def make_reasoning_gym(name: str, n: int, seed: int, kwargs: Optional[dict] = None,
+                       chars: Optional[str] = None) -> list[Problem]:
+    """n items of reasoning-gym's generator `name`, with its settings `kwargs`, as Problems: item i
+    is drawn from seed + i, so the same arguments give the same problems. Items with no usable
+    question or answer, and (with `chars`, the character tokenizer's) items that use a character
+    outside `chars`, are skipped with one warning that counts them (ValueError if none is left)."""
+    import reasoning_gym  # lazy: 1.5 s to import, and only these tasks need it
+
+    kwargs = dict(kwargs or {})
+    data = reasoning_gym.create_dataset(name, size=n, seed=seed, **kwargs)
+    known = set(chars) if chars is not None else None
+
+    def parse(item, i):
+        q, why = _text_field(item, "question")
+        if why:
+            return None, why
+        a, why = _text_field(item, "answer")
+        if why:
+            return None, why
+        lacks = sorted(set(q + a) - known) if known is not None else []
+        if lacks:  # the char tokenizer would read them as <unk>: no model could write them
+            return None, f"characters the character tokenizer lacks {''.join(lacks)!r}"
+        meta = {"rg_name": name, "rg_kwargs": kwargs, "entry": item, "index": i}
+        d = _rg_difficulty(item.get("metadata"))
+        if d is not None:
+            meta["difficulty"] = d
+        return Problem(q.strip() + RG_INSTRUCTION, a, "reasoning_gym", meta), None
+
+    return _collect((data[i] for i in range(n)), parse, RG_PREFIX + name, None)
+
+
+def _rg_difficulty(metadata) -> Optional[int]:
+    """The item's value of the first knob its generator ranges over (metadata["difficulty"] names
+    them, as ranges); a list counts its items. None where that is not a whole number."""
+    knobs = metadata.get("difficulty") if isinstance(metadata, dict) else None
+    if isinstance(knobs, dict) and knobs:
+        value = metadata.get(next(iter(knobs)))
+    else:  # gsm_symbolic: one number
+        value = knobs
+    value = len(value) if isinstance(value, (list, tuple)) else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        return None
+    return int(value)
+
+
 # ---------------------------------------------------------------------------------------------
 # A config's problems and their token ids.
 
@@ -511,14 +578,29 @@ def sft_seed(cfg) -> int:
 
 def sft_problems(cfg) -> list[Problem]:
     """The synthetic warm start's SFT data (its prompts; the teacher writes the traces)."""
+    if cfg.task.startswith(RG_PREFIX):
+        return make_reasoning_gym(cfg.task[len(RG_PREFIX):], cfg.sft_steps * cfg.sft_batch,
+                                  sft_seed(cfg) + 2 * RG_SPLIT, cfg.rg_kwargs, CHARS)
     return make_synthetic(cfg.sft_steps * cfg.sft_batch, sft_seed(cfg) + 20_000,
                           cfg.sft_difficulty or cfg.difficulty, cfg.order)
 
 
 def load_problems(cfg) -> tuple[list[Problem], list[Problem]]:
     """-> (training pool, held-out problems) for config keys task, data, n_train, n_eval,
-    difficulty, eval_difficulty, order. Synthetic held-out problems share no prompt with the pool
-    or, for the embedded warm start, with its SFT data: held out means never trained on."""
+    difficulty, eval_difficulty, order, rg_kwargs. Synthetic and reasoning-gym held-out problems
+    share no prompt with the pool or, for the embedded warm start, with its SFT data: held out
+    means never trained on."""
+    if cfg.task.startswith(RG_PREFIX):  # the tiny model reads characters: only those it knows
+        name, chars = cfg.task[len(RG_PREFIX):], None if cfg.model else CHARS
+        pool = make_reasoning_gym(name, cfg.n_train or 20_000, cfg.seed, cfg.rg_kwargs, chars)
+        seen = {p.prompt for p in pool + ([] if cfg.model else sft_problems(cfg))}
+        fresh = []  # twice as many drawn: small generators repeat questions
+        for p in make_reasoning_gym(name, 2 * cfg.n_eval + 100, cfg.seed + RG_SPLIT,
+                                    cfg.rg_kwargs, chars):
+            if p.prompt not in seen:
+                seen.add(p.prompt)  # no question twice in the held-out set either
+                fresh.append(p)
+        return pool, fresh[:cfg.n_eval]
     if cfg.task == "synthetic":
         pool = make_synthetic(cfg.n_train or 20_000, cfg.seed, cfg.difficulty, cfg.order)
         seen = {p.prompt for p in pool + ([] if cfg.model else sft_problems(cfg))}
