@@ -1,8 +1,15 @@
 """
 calibrate.py: stage 2, the budget schedule. Sparrow's idea: the KV pages a decode step reads grow
-with the cached length, bin by bin, so that the tail of the sparse-to-dense mismatch (the 5th
-percentile of alpha in each bin) stays at a threshold. Set offline by a sweep, kept on target online
-by a controller.
+with the cached length, bin by bin, so that the tail of the sparse-to-dense mismatch stays at a
+threshold. Set offline by a sweep, kept on target online by a controller.
+
+What is held per bin (config key kv_hold):
+    position  Sparrow's: the 5th percentile (kv_quantile) of the per-position alpha >= kv_target
+    rollout   the rollout-level figure: each rollout's summed TV, sum_t (1 - alpha_t), the expected
+              number of positions at which sparse and dense sampling part. Per bin, the tail rate
+              of TV over the rollouts, scaled to a rollout of mean length (sparsity.tv_bin_stats),
+              <= kv_tv_target. On long exact chains this is the one that sees a failure: a mean
+              1 - alpha of 0.009 over 1,000 tokens is 9 partings a rollout while p5 stays high.
 
     python calibrate.py configs/longcot.py  # -> out/longcot/kv_schedule.json, and printed
     python calibrate.py configs/longcot.py --kv_target=0.9 --calib_prompts=32
@@ -47,7 +54,7 @@ from config import cli, parse_config
 from parallel import setup_dist
 from rollout import Engine
 from sparsity import (alpha_k, bin_index, bin_stats, dense_alpha, fixed_budget,
-                      fraction_budget)
+                      fraction_budget, read_fraction, tv_bin_stats)
 from tasks import encode_pool, load_problems
 from warmstart import build_policy
 
@@ -61,16 +68,23 @@ class Schedule:
     `Engine(sparse=schedule)`; the engine keeps the object, so a Controller that edits the table
     steers the next `generate` call.
 
-    threshold  the p5 alpha that the table was calibrated for (the Controller's default target)
+    threshold  the target the table was calibrated for (the Controller's default target): a p5
+               alpha with hold "position", a rollout's summed TV with hold "rollout"
     min_pages, max_pages  bounds for every entry (max None: unbounded; the engine reads at most what
-                          is cached)
+                          is cached). min_pages is the floor of pages every step reads anyway
+                          (keep_first + keep_recent): an entry below it would read the floor
     Save `state_dict()` with the checkpoint and `load_state_dict()` it on resume."""
 
-    def __init__(self, table, bin_pages, threshold=0.86, min_pages=1, max_pages=None):
+    def __init__(self, table, bin_pages, threshold=0.86, min_pages=1, max_pages=None,
+                 hold="position"):
         if not (isinstance(bin_pages, int) and bin_pages >= 1):
             raise ValueError(f"Schedule: bin_pages must be an int >= 1, got {bin_pages!r}")
-        if not 0 <= threshold <= 1:
-            raise ValueError(f"Schedule: threshold is a p5 alpha in [0, 1], got {threshold}")
+        if hold not in HOLDS:
+            raise ValueError(f"Schedule: hold must be one of {HOLDS}, got {hold!r}")
+        if not (0 <= threshold <= 1 if hold == "position" else threshold > 0):
+            raise ValueError(f"Schedule: threshold is a p5 alpha in [0, 1] (hold position) or a "
+                             f"summed TV > 0 (hold rollout), got {threshold}")
+        self.hold = hold
         if min_pages < 1 or (max_pages is not None and max_pages < min_pages):
             raise ValueError(f"Schedule: want 1 <= min_pages <= max_pages, got {min_pages}, "
                              f"{max_pages}")
@@ -82,7 +96,8 @@ class Schedule:
         bad = [(i, x) for i, x in enumerate(self.table) if x != self.clamp(x)]
         if bad:
             raise ValueError(f"Schedule: table entries (bin, pages) {bad} lie outside "
-                             f"[min_pages={min_pages}, max_pages={max_pages}]")
+                             f"[min_pages={min_pages}, max_pages={max_pages}] (min_pages: the "
+                             f"pages every step reads anyway)")
 
     # no __len__: the engine tests `sparse or None`, and an object with a length could read as False
 
@@ -102,25 +117,34 @@ class Schedule:
 
     def state_dict(self):
         return {"table": list(self.table), "bin_pages": self.bin_pages, "threshold": self.threshold,
-                "min_pages": self.min_pages, "max_pages": self.max_pages}
+                "min_pages": self.min_pages, "max_pages": self.max_pages, "hold": self.hold}
 
     def load_state_dict(self, sd):
         missing = {"table", "bin_pages", "threshold", "min_pages", "max_pages"} - set(sd)
         if missing:
             raise KeyError(f"Schedule.load_state_dict: missing keys {sorted(missing)}")
         self.__init__(sd["table"], sd["bin_pages"], sd["threshold"], sd["min_pages"],
-                      sd["max_pages"])
+                      sd["max_pages"], sd.get("hold", "position"))  # older files: Sparrow's
 
     def __repr__(self):
         return (f"Schedule(table={self.table}, bin_pages={self.bin_pages}, "
-                f"threshold={self.threshold})")
+                f"threshold={self.threshold}, hold={self.hold!r})")
 
 
-def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
-    """Offline calibration: the smallest candidate budget per bin whose p5 alpha reaches
-    `threshold`.
+HOLDS = ("position", "rollout")  # what a schedule holds per bin (config key kv_hold)
 
-    measure(table) -> p5 per bin: `bins` floats, NaN for a bin without tokens (see
+
+def passes(x, target, hold):
+    """Whether a bin's held figure meets its target: alpha's tail from above (position), the
+    rollout-level TV from below (rollout)."""
+    return x >= target if hold == "position" else x <= target
+
+
+def calibrate(measure, bins, candidates, threshold=0.86, monotone=True, hold="position"):
+    """Offline calibration: the smallest candidate budget per bin whose held figure meets
+    `threshold` (p5 alpha >= threshold, or with hold "rollout" the rollout-level TV <= it).
+
+    measure(table) -> the held figure per bin: `bins` floats, NaN for a bin without tokens (see
     calibrate_engine).
     The sweep measures one uniform table, [c] * bins, per candidate c in ascending order, and each
     bin keeps the first c at which its own p5 passes: len(candidates) measurements instead of one
@@ -139,6 +163,7 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
     if not cands or cands[0] < 1:
         raise ValueError(f"calibrate: candidates must be page counts >= 1, got {candidates}")
     chosen, best, seen = [None] * bins, [float("nan")] * bins, [False] * bins
+    better = max if hold == "position" else min
     last = [True] * bins  # whether the bin had tokens at the latest candidate
     for c in cands:
         p5 = [float(x) for x in measure([c] * bins)]
@@ -148,9 +173,9 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
             last[b] = not math.isnan(p5[b])
             if not last[b]:
                 continue
-            best[b] = max(best[b], p5[b]) if seen[b] else p5[b]
+            best[b] = better(best[b], p5[b]) if seen[b] else p5[b]
             seen[b] = True
-            if chosen[b] is None and p5[b] >= threshold:
+            if chosen[b] is None and passes(p5[b], threshold, hold):
                 chosen[b] = c
         if all(ch is not None or not s for ch, s in zip(chosen, seen)) and any(seen):
             break
@@ -160,8 +185,8 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
             chosen[b] = cands[-1]
     fail = [(b, round(best[b], 4)) for b in range(bins) if seen[b] and chosen[b] is None]
     if fail:
-        raise ValueError(f"calibrate: bins (bin, best p5) {fail} stay below {threshold} at the "
-                         f"largest candidate {cands[-1]} pages: add larger candidates")
+        raise ValueError(f"calibrate: bins (bin, best {hold} figure) {fail} miss {threshold} at "
+                         f"the largest candidate {cands[-1]} pages: add larger candidates")
     if not any(seen):
         raise ValueError("calibrate: measure returned no tokens in any bin")
     # bins before the first measured one copy it
@@ -176,28 +201,39 @@ def calibrate(measure, bins, candidates, threshold=0.86, monotone=True):
 
 
 def sparse_tail(model, tokenizer, prompt_ids, schedule, n_bins, group_size=1, seed=0, min_count=1,
-                max_new_tokens=256, temperature=1.0, page_size=16, topk=20, q=0.05, **engine_kw):
-    """One sparse rollout of `prompt_ids` at `schedule` -> (the rollout, the q-quantile of Sparrow's
-    per-position alpha in each of `n_bins` bins, NaN where a bin has fewer than `min_count` tokens).
-    alpha is taken against a dense full forward (dense_alpha: exact over a small vocabulary, else
-    from the top-`topk` lists: sparsity.alpha_k); engine_kw go to rollout.Engine."""
+                max_new_tokens=256, temperature=1.0, page_size=16, topk=20, q=0.05,
+                hold="position", **engine_kw):
+    """One sparse rollout of `prompt_ids` at `schedule` -> (the rollout, the held figure in each
+    of `n_bins` bins, NaN where a bin has fewer than `min_count` tokens): the q-quantile of
+    Sparrow's per-position alpha (hold "position"), or the rollout-level TV of
+    sparsity.tv_bin_stats (hold "rollout"). alpha is taken against a dense full forward
+    (dense_alpha: exact over a small vocabulary, else from the top-`topk` lists: sparsity.alpha_k);
+    engine_kw go to rollout.Engine."""
     engine = Engine(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
                     page_size=page_size, sparse=schedule,
                     topk_logprobs=alpha_k(model.config.vocab_size, topk), **engine_kw)
     ro = engine.generate(prompt_ids, group_size=group_size, seed=seed)
     alpha = dense_alpha(model, prompt_ids, ro, temperature)
-    st = bin_stats(alpha, ro.mask, ro.budget_dense, schedule.bin_pages, n_bins, q=q)
-    return ro, torch.where(st["count"] >= max(1, min_count), st["p5"], float("nan")).tolist()
+    if hold == "rollout":
+        rows = torch.arange(len(ro))[:, None].expand(ro.mask.shape)[ro.mask]
+        st = tv_bin_stats(alpha[ro.mask], ro.budget_dense[ro.mask], rows, schedule.bin_pages,
+                          n_bins, q)
+        held = st["held"]
+    else:
+        st = bin_stats(alpha, ro.mask, ro.budget_dense, schedule.bin_pages, n_bins, q=q)
+        held = st["p5"]
+    return ro, torch.where(st["count"] >= max(1, min_count), held, float("nan")).tolist()
 
 
 def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins=None, group_size=1,
                      threshold=0.86, seed=0, min_count=1, max_new_tokens=256, temperature=1.0,
-                     page_size=16, topk=20, q=0.05, **engine_kw):
-    """`calibrate` on a real model: measure(table) is `sparse_tail` at that table, the q-quantile
-    (p5 by default) of Sparrow's per-position alpha per bin (bins of pages cached, aligned with the
-    schedule; bins with fewer than `min_count` tokens count as empty). Every candidate samples
-    with the same seed. engine_kw go to rollout.Engine (scorer, keep_recent, dense_layers, ...).
-    Returns a Schedule."""
+                     page_size=16, topk=20, q=0.05, hold="position", min_pages=1, **engine_kw):
+    """`calibrate` on a real model: measure(table) is `sparse_tail` at that table, the held figure
+    per bin (hold "position": the q-quantile, p5 by default, of Sparrow's per-position alpha;
+    "rollout": the rollout-level TV), bins of pages cached, aligned with the schedule; bins with
+    fewer than `min_count` tokens count as empty. Every candidate samples with the same seed.
+    engine_kw go to rollout.Engine (scorer, keep_recent, dense_layers, ...). Returns a Schedule
+    whose entries are at least min_pages (the pages every step reads anyway)."""
     if n_bins is None:  # enough bins for the longest prompt plus max_new_tokens
         longest = max(len(p) for p in prompt_ids) + max_new_tokens
         n_bins = -(-longest // page_size) // bin_pages + 1
@@ -205,17 +241,20 @@ def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins
     def measure(table):
         return sparse_tail(model, tokenizer, prompt_ids, Schedule(table, bin_pages), n_bins,
                            group_size, seed, min_count, max_new_tokens, temperature, page_size,
-                           topk, q, **engine_kw)[1]
+                           topk, q, hold, **engine_kw)[1]
 
-    return Schedule(calibrate(measure, n_bins, candidates, threshold), bin_pages, threshold)
+    table = calibrate(measure, n_bins, candidates, threshold, hold=hold)
+    return Schedule(table, bin_pages, threshold, min_pages=min_pages, hold=hold)
 
 
 # ---------------------------------------------------------------- the controller: online correction
 
 
 class Controller:
-    """Online: after every step's rollouts, `observe(p5, count)` (from bin_stats) moves each bin's
-    budget toward the smallest one whose p5 alpha stays at `target`.
+    """Online: after every step's rollouts, `observe(held, count)` moves each bin's budget toward
+    the smallest one whose held figure meets `target`: p5 alpha (bin_stats) >= target with hold
+    "position" (the schedule's), the rollout-level TV (tv_bin_stats) <= target with "rollout".
+    Below, "fails" and "p5 < target" mean either one's miss.
 
     - p5 < target: raise the bin by step_pages at once (a collapse costs more than a slow step), and
       remember that the old budget failed: the bin's floor becomes the new budget.
@@ -230,17 +269,23 @@ class Controller:
       that probe recurs every so often.)
     - Bins with fewer than `min_count` tokens (or NaN) are left alone: a 5th percentile needs
       tokens.
+    - The deadband is in alpha with hold "position" (0.02), a fraction of the target with
+      "rollout" (0.2: room when the TV is at most 0.8 of the target).
     - Entries stay within the schedule's [min_pages, max_pages]; bins past the table get their own
       entries.
     Noise that drops the minimal budget's p5 below target leaves the bin a step high: the safe
     side."""
 
-    def __init__(self, schedule, target=None, step_pages=None, deadband=0.02, patience=3,
-                 min_count=64):
+    def __init__(self, schedule, target=None, step_pages=None, deadband=None, patience=3,
+                 min_count=64, hold=None):
         if not isinstance(schedule, Schedule):
             raise TypeError(f"Controller wants a Schedule, got {type(schedule).__name__}")
-        self.schedule = schedule
+        self.schedule, self.hold = schedule, hold or schedule.hold
+        if self.hold not in HOLDS:
+            raise ValueError(f"Controller: hold must be one of {HOLDS}, got {self.hold!r}")
         self.target = schedule.threshold if target is None else target
+        if deadband is None:
+            deadband = 0.02 if self.hold == "position" else 0.2
         self.step = step_pages if step_pages is not None else max(1, schedule.bin_pages // 8)
         if self.step < 1 or patience < 1 or deadband < 0:
             raise ValueError(f"Controller: want step_pages >= 1, patience >= 1, deadband >= 0, got "
@@ -249,9 +294,16 @@ class Controller:
         n = len(schedule.table)
         self.floor, self.calm, self.room = [schedule.min_pages] * n, [0] * n, [0] * n
 
+    def margin(self, x):
+        """How far a bin's held figure is inside the target (< 0: it fails)."""
+        if self.hold == "position":
+            return x - self.target
+        return (self.target - x) / self.target
+
     def observe(self, p5, count=None):
-        """p5 (n_bins,) per-bin 5th percentile of alpha; count (n_bins,) tokens per bin. Returns
-        {"raised": bins raised, "lowered": bins lowered}."""
+        """p5 (n_bins,) the held figure per bin (per-bin 5th percentile of alpha, or the
+        rollout-level TV); count (n_bins,) tokens per bin. Returns {"raised": bins raised,
+        "lowered": bins lowered}."""
         p5 = [float(x) for x in p5]
         count = [int(x) for x in count] if count is not None else [self.min_count] * len(p5)
         s, moved = self.schedule, {"raised": 0, "lowered": 0}
@@ -262,14 +314,14 @@ class Controller:
         for b, (x, n) in enumerate(zip(p5, count)):
             if math.isnan(x) or n < self.min_count:
                 continue
-            pages = s.table[b]
-            if x < self.target:
+            pages, m = s.table[b], self.margin(x)
+            if m < 0:
                 s.table[b] = self.floor[b] = s.clamp(pages + self.step)
                 self.calm[b] = self.room[b] = 0
                 moved["raised"] += s.table[b] != pages
                 continue
             self.calm[b] += 1
-            self.room[b] = self.room[b] + 1 if x >= self.target + self.deadband else 0
+            self.room[b] = self.room[b] + 1 if m >= self.deadband else 0
             if self.room[b] >= 5 * self.patience:
                 self.floor[b], self.room[b] = s.min_pages, 0
             lower = s.clamp(pages - self.step)
@@ -280,29 +332,50 @@ class Controller:
 
     def state_dict(self):
         return {"target": self.target, "floor": list(self.floor), "calm": list(self.calm),
-                "room": list(self.room)}
+                "room": list(self.room), "hold": self.hold}
 
     def load_state_dict(self, sd):
-        self.target = sd["target"]
+        self.target, self.hold = sd["target"], sd.get("hold", "position")
         self.floor, self.calm, self.room = list(sd["floor"]), list(sd["calm"]), list(sd["room"])
 
 
-def observe(alpha, pages, bin_pages, schedule=None, controller=None, q=0.05):
-    """One step's tail: Sparrow's per-position alpha of every generated token (all ranks') and the
-    pages cached when each was generated -> the figures for the log (mean and p5 overall, and the
-    mean and q-quantile per bin of `bin_pages`); the controller, if any, moves the schedule's table
-    toward the smallest budgets whose q-quantile (p5 by default) holds its target."""
+def observe(alpha, pages, bin_pages, schedule=None, controller=None, q=0.05, rows=None):
+    """One step's mismatch: Sparrow's per-position alpha of every generated token (all ranks'), the
+    pages cached when each was generated and (rows) the rollout each belongs to -> the figures for
+    the log: mean and p5 alpha overall, the mean and q-quantile per bin of `bin_pages`, and with
+    rows the rollout-level figures beside them (tv_mean, tv_tail: each rollout's summed TV, its mean
+    and (1 - q)-quantile; tv_bins: the held rollout TV per bin). The controller, if any, moves the
+    schedule's table toward the smallest budgets whose held figure meets its target."""
     if alpha.numel() == 0:
         return {}
     every = torch.ones(1, alpha.numel(), dtype=torch.bool)
     st = bin_stats(alpha[None], every, pages[None], bin_pages, q=q)
     rec = {"alpha_mean": alpha.mean().item(), "alpha_p5": alpha.quantile(0.05).item(),
            "alpha_bins": {**{k: st[k].tolist() for k in ("count", "mean", "p5")}, "q": q}}
+    held = st["p5"]
+    if rows is not None:
+        tv = tv_bin_stats(alpha, pages, rows, bin_pages, len(held), q)
+        rec.update(tv_mean=tv["tv_mean"].item(), tv_tail=tv["tv_tail"].item(),
+                   tv_bins=tv["held"].tolist())
+        held = tv["held"] if controller is not None and controller.hold == "rollout" else held
     if controller is not None:
-        rec["kv_moved"] = controller.observe(st["p5"], st["count"])
+        if controller.hold == "rollout" and rows is None:
+            raise ValueError("observe: a controller that holds the rollout TV needs rows")
+        rec["kv_moved"] = controller.observe(held, st["count"])
     if schedule is not None:
         rec["kv_table"] = list(schedule.table)
     return rec
+
+
+def read_figures(ro, bin_pages, n_layers, dense_layers):
+    """The pages a rollout's decode really read, for the log: per layer (counted in the cache)
+    and per bin of cached length (sparsity.read_fraction over its tokens), as fractions of
+    dense."""
+    t = ro.timings
+    per_layer = t["pages_dense"] / n_layers
+    return {"kv_read_layers": [round(x / max(1e-9, per_layer), 4) for x in t["pages_read_layer"]],
+            "kv_read_bins": [round(x, 4) for x in read_fraction(
+                ro.budget, ro.budget_dense, ro.mask, bin_pages, n_layers, dense_layers)["bins"]]}
 
 
 # ----------------------------------------------------------------------------- from a config
@@ -313,8 +386,10 @@ def kv_budget(cfg, model=None, tok=None, pool_ids=None, log=print, rank=0):
     page count. kv_budget=calibrate runs the sweep on `model` and (rank 0) saves the table to
     out_dir/kv_schedule.json."""
     kind, _, arg = cfg.kv_budget.partition(":")
+    floor = cfg.kv_keep_first + cfg.kv_keep_recent  # what every sparse step reads anyway
+    target = cfg.kv_target if cfg.kv_hold == "position" else cfg.kv_tv_target
     if kind == "schedule":
-        return load_schedule(arg, cfg.page_size)
+        return load_schedule(arg, cfg.page_size, floor)
     if kind == "calibrate":
         sched = calibrated_schedule(cfg, model, tok, pool_ids, log)
         if rank == 0:
@@ -328,7 +403,8 @@ def kv_budget(cfg, model=None, tok=None, pool_ids=None, log=print, rank=0):
         if kind == "fixed":
             return fixed_budget(int(arg))
         if kind == "table":
-            return Schedule([int(x) for x in arg.split(",")], cfg.kv_bin_pages)
+            return Schedule([int(x) for x in arg.split(",")], cfg.kv_bin_pages, target,
+                            min_pages=floor, hold=cfg.kv_hold)
     except ValueError as e:
         raise ValueError(f"config key 'kv_budget': {e}") from None
     raise ValueError(f"config key 'kv_budget' must be dense, fraction:F, fixed:N, table:N1,N2,..., "
@@ -341,11 +417,16 @@ def calibrated_schedule(cfg, model, tok, pool_ids, log=print):
     if not prompt_ids:
         raise ValueError("calibrate: no training prompts to calibrate on")
     t0 = time.perf_counter()
+    position = cfg.kv_hold == "position"
+    held = (f"p5 alpha >= {cfg.kv_target}" if position
+            else f"rollout TV tail <= {cfg.kv_tv_target}")
     log(f"calibrating the KV schedule: {len(prompt_ids)} prompts x {cfg.group_size} rollouts, "
-        f"candidates {list(cfg.kv_candidates)} pages, bins of {cfg.kv_bin_pages} pages, p5 alpha "
-        f">= {cfg.kv_target}")
+        f"candidates {list(cfg.kv_candidates)} pages, bins of {cfg.kv_bin_pages} pages, {held}")
     sched = calibrate_engine(model, tok, prompt_ids, cfg.kv_candidates, cfg.kv_bin_pages,
-                             group_size=cfg.group_size, threshold=cfg.kv_target, seed=cfg.seed,
+                             group_size=cfg.group_size, seed=cfg.seed, hold=cfg.kv_hold,
+                             threshold=cfg.kv_target if position else cfg.kv_tv_target,
+                             min_pages=cfg.kv_keep_first + cfg.kv_keep_recent,
+                             keep_first=cfg.kv_keep_first, keep_recent=cfg.kv_keep_recent,
                              min_count=20, max_new_tokens=cfg.max_new_tokens,
                              temperature=cfg.temperature, page_size=cfg.page_size,
                              topk=cfg.alpha_topk, q=cfg.kv_quantile, scorer=cfg.kv_scorer,
@@ -361,14 +442,15 @@ def save_schedule(sched, path, cfg):
         json.dump({**sched.state_dict(), "calibrated_on": {k: getattr(cfg, k) for k in (
             "model", "task", "difficulty", "page_size", "kv_scorer", "kv_rescore_every",
             "dense_layers", "calib_prompts", "group_size", "temperature", "max_new_tokens",
-            "kv_candidates")}},
+            "kv_candidates", "kv_keep_first", "kv_keep_recent", "kv_hold")}},
             f, indent=1)
     os.replace(path + ".tmp", path)
 
 
-def load_schedule(path, page_size=None):
+def load_schedule(path, page_size=None, floor=1):
     """A schedule written by save_schedule -> Schedule. A page size other than the one it was
-    calibrated for is refused: its bins and budgets count pages."""
+    calibrated for is refused: its bins and budgets count pages; so is an entry below `floor`, the
+    pages every sparse step reads anyway (it would read the floor, not what it says)."""
     try:
         with open(path) as f:
             sd = json.load(f)
@@ -379,8 +461,13 @@ def load_schedule(path, page_size=None):
     if page_size is not None and made is not None and made != page_size:
         raise ValueError(f"{path} was calibrated for page_size={made}, the run has "
                          f"page_size={page_size}")
+    small = [(i, x) for i, x in enumerate(sd.get("table", [])) if x < floor]
+    if small:
+        raise ValueError(f"{path}: entries (bin, pages) {small} are below the {floor} pages every "
+                         f"sparse step reads (kv_keep_first + kv_keep_recent): they would read "
+                         f"{floor}; recalibrate, or lower kv_keep_recent")
     sched = Schedule([1], 1)
-    sched.load_state_dict(sd)
+    sched.load_state_dict({**sd, "min_pages": max(floor, sd.get("min_pages", 1))})
     return sched
 
 

@@ -100,16 +100,25 @@ class Config:
     # score the pages once in this many decode steps, the steps between reusing those scores
     kv_rescore_every: int = 1
     dense_layers: int = 2  # the first layers always read every page
-    # table budgets: adjust the table online to hold p5 alpha per bin at kv_target
+    # every sparse step reads the first kv_keep_first pages (sinks) and the last kv_keep_recent
+    # (the partial page among them): their sum is the floor, and a budget below it is refused
+    kv_keep_first: int = 1
+    kv_keep_recent: int = 2
+    # table budgets: adjust the table online to hold a mismatch figure per bin at its target
     kv_controller: bool = False
+    # what calibration and the controller hold: "position", Sparrow's per-position tail (the
+    # kv_quantile of alpha per bin >= kv_target), or "rollout", each rollout's summed TV
+    # sum_t (1 - alpha_t), its (1 - kv_quantile) tail held <= kv_tv_target (sparsity.tv_bin_stats)
+    kv_hold: str = "position"
     kv_target: float = 0.86  # Sparrow's threshold for the 5th percentile of alpha in each bin
+    kv_tv_target: float = 0.5  # kv_hold=rollout: expected parting positions, per rollout's tail
     # the quantile of alpha that calibration and the controller hold at kv_target (Sparrow: 0.05);
     # lower sees rarer mismatched positions, which decide an exact chain of thousands of tokens
     kv_quantile: float = 0.05
     # per-position alpha from top-k lists (exact for a vocabulary of <= 256 tokens)
     alpha_topk: int = 20
     # calibration: budgets swept, in pages
-    kv_candidates: tuple = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+    kv_candidates: tuple = (3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
     # calibration: training prompts (group_size rollouts each) per candidate
     calib_prompts: int = 16
     # > 0: every this many steps, time a dense rollout of the same prompts (speedup)
@@ -269,7 +278,7 @@ MARKED_VARS = 14  # the synthetic task's order "marked": the items every prompt 
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "autocast": ("none", "bfloat16"),
            "order": ("defined", "shuffled", "marked", "lagged"),
-           "kv_scorer": ("centroid", "quest", "oracle"),
+           "kv_scorer": ("centroid", "quest", "oracle"), "kv_hold": ("position", "rollout"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
            "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
            "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update")}
@@ -280,6 +289,7 @@ POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_em
             "minibatches", "micro_batch", "lora_alpha", "is_cap", "adv_eps", "eval_every",
             "save_every", "max_skipped")
 NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_compare_every",
+                "kv_keep_first", "kv_keep_recent",
                 "distill_r", "distill_coef", "refill_tries", "min_spread", "max_chars",
                 "overlong_buffer", "overlong_penalty", "steps", "warmup_steps", "weight_decay",
                 "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise", "n_expert",
@@ -340,8 +350,13 @@ def check(cfg):
         raise ValueError("config keys: want lora_dropout < 1, clip_low < 1 and mis_low < mis_high")
     if cfg.overlong_buffer >= cfg.max_new_tokens:
         raise bad("overlong_buffer", f"smaller than max_new_tokens ({cfg.max_new_tokens})")
-    if not cfg.kv_candidates or min(cfg.kv_candidates) < 1:
-        raise bad("kv_candidates", "page counts >= 1")
+    floor = cfg.kv_keep_first + cfg.kv_keep_recent
+    if not cfg.kv_candidates or min(cfg.kv_candidates) < max(1, floor):
+        raise bad("kv_candidates", f"page counts >= {max(1, floor)}: every step reads the "
+                                   f"kv_keep_first + kv_keep_recent = {floor} kept pages, so a "
+                                   f"smaller candidate would read the same as {floor}")
+    if not cfg.kv_tv_target > 0:
+        raise bad("kv_tv_target", "> 0")
     # nmN:M also needs 0 < N <= M, which the pattern cannot say
     plan = cfg.rollout_copy.endswith(".json")
     if plan and not os.path.isfile(cfg.rollout_copy):
@@ -382,6 +397,15 @@ def check_kv_budget(cfg):
         raise ValueError(f"config key 'kv_budget' must be dense, fraction:F (0 < F <= 1), "
                          f"fixed:N, table:N1,N2,..., schedule:PATH or calibrate, "
                          f"got {cfg.kv_budget!r}")
+    floor = cfg.kv_keep_first + cfg.kv_keep_recent  # pages every sparse step reads anyway
+    small = [(i, int(x)) for i, x in enumerate(arg.split(","))
+             if int(x) < floor] if kind in ("table", "fixed") else []
+    if small:
+        raise ValueError(f"config key 'kv_budget': {cfg.kv_budget} has entries (bin, pages) "
+                         f"{small} below the {floor} pages every sparse step reads (kv_keep_first "
+                         f"{cfg.kv_keep_first} + kv_keep_recent {cfg.kv_keep_recent}, the partial "
+                         f"page among them), so they would read {floor}: raise them, or lower "
+                         f"kv_keep_recent")
     if cfg.kv_controller and kind not in ("table", "schedule", "calibrate"):
         raise ValueError("config key 'kv_controller' needs a table budget "
                          "(kv_budget=table:N1,N2,..., schedule:PATH or calibrate)")

@@ -8,6 +8,8 @@ a sparse selection picks.
     cache.begin_prefill(groups)  # [(prompt length, rows)]: a shared prompt's full pages stored once
     cache.begin_decode(rows)     # one new token per live row: the step's index tensors
     model(tokens, cache=cache)   # the model calls cache.positions, cache.attend, cache.advance
+    cache.begin_verify(rows, T)  # speculative decoding: T new tokens a row, dense, causal
+    cache.truncate(row, n)       # and a row cut back to n tokens after a rejection
 
 The engine (rollout.Engine) makes one per generate call and drives it; the model reaches it through
 `positions`, `attend` (each layer) and `advance`.
@@ -25,10 +27,19 @@ What it holds:
        on a CPU reads the lanes in place and each shared prompt once per group (merged by
        log-sum-exp); sparse layers read the pages that `_select` picks (sparsity.select_pages over
        the scorer's page scores, or the C++ kernel's one call), through `decode_attention`.
-    4. Rescoring (rescore_every = k > 1, centroid or Quest): the pages are scored at decode steps 1,
-       k + 1, 2k + 1, ... and the kept scores (L, N, H_kv, max_pages) serve the steps between; a
+    4. Rescoring (rescore_every = k > 1, centroid or Quest): the pages are scored once in every
+       window of k decode steps, at a hashed offset (`rescores`: a fixed stride would alias with a
+       task's rhythm), and the kept scores (L, N, H_kv, max_pages) serve the steps between; a
        page that filled since has none (UNSCORED) and is read until the next scoring, and a step
        whose rows and page counts are the last one's takes that step's pick as it is.
+    5. Speculative decoding (rollout.Engine(speculative=k)): `begin_verify` lays out a verify
+       forward, T = k + 1 tokens a row at positions lens[r] ..., whose `attend` writes their K and
+       V over the draft's (pages opened as needed), rewrites the metadata of each page they touch
+       that is full afterwards, and attends each new query to its row's cache up to itself (a
+       gather through the page table and SDPA with a mask). `truncate` cuts a row back: its pages
+       past the cut go back, a page left partial keeps stale metadata that nothing reads until it
+       fills and is rewritten, and the lanes' index tensors (`_laid`) are rebuilt at the next
+       decode step. Lanes and the free list both work: a lane's pages are its row's in order.
 
 Simplifications:
     1. Page bookkeeping lives on the host as Python lists; the device gets a few small index
@@ -48,6 +59,21 @@ from kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu
 from moe import record_routes
 from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,
                       select_pages)
+
+
+def rescores(step, every):
+    """Whether decode step `step` (from 1) scores the pages afresh, rescoring once in `every`
+    steps on average. Not at a fixed stride: a task with a rhythm (a copy token every 2 steps)
+    would meet a stride that divides into it at the same phase every time, and the same positions
+    would always run on stale scores. Each window of `every` steps rescores once, at an offset
+    that a hash of the window's index picks (window 0 at its first step: the first step has no
+    scores yet), so every phase of any rhythm is rescored, and the gaps run 1 to 2 * every - 1."""
+    if every <= 1:
+        return True
+    window, at = divmod(step - 1, every)
+    x = (window * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF  # splitmix64's mixer: the offsets
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF  # look random mod any k
+    return at == (0 if window == 0 else (x ^ (x >> 27)) % every)
 
 
 class PagedKVCache:
@@ -89,6 +115,9 @@ class PagedKVCache:
             self.scores = torch.full((L, num_seqs, self.H, max_pages), UNSCORED, device=device)
         self.record = None  # a list to record (step, rows, layer, sel, n_sel) of every selection
         self.clock, self.routes = None, record_routes(None, 0)  # the engine's hooks (Engine.clock)
+        # (L,) pages the sparse layers' selections read, summed over KV heads and steps (the
+        # engine adds the dense layers' and divides by H_kv): the read fraction, counted
+        self.read_layer = torch.zeros(L, dtype=torch.long, device=device)
         self._laid = None  # the rows the lanes' index tensors were built for
 
     # ---- bookkeeping
@@ -244,6 +273,61 @@ class PagedKVCache:
         self._own = self._own_max + self._steps
         self._own_lens = None if self._own_base is None else self._own_base + self._steps
 
+    # ---- speculative decoding: the verify forward, and cutting a row back
+
+    def begin_verify(self, rows, T):
+        """T new tokens for each live sequence in `rows`, at positions lens[r] .. lens[r] + T - 1:
+        the verify forward of speculative decoding (rollout.Engine(speculative=k), T = k + 1), a
+        chunk of prefill on paged KV. Pages open where the T tokens need them; `attend` writes
+        their K and V over whatever the draft wrote there, rewrites the metadata of every page
+        they touch that is full afterwards, and attends each new query to its row's whole cache
+        up to and including itself (dense, causal within the T). The new positions must lie past
+        the shared prompt pages (completion tokens only)."""
+        ps, dev = self.page_size, self.table.device
+        lens = [self.lens[r] for r in rows]
+        opened = []
+        for r, n in zip(rows, lens):
+            while len(self.pages[r]) * ps < n + T:
+                opened.append((r, len(self.pages[r]), self._alloc(r)))
+        if opened:  # the device table follows the host's lists
+            r, j, p = (torch.tensor(x) for x in zip(*opened))
+            self.table[r.to(dev), j.to(dev)] = p.to(dev, torch.int32)
+        self._mode, self._rows, self._T = "verify", rows, T
+        self._pos = torch.tensor(lens, device=dev)[:, None] + torch.arange(T, device=dev)  # (B, T)
+        # (B * T,) flat slot of each new token, batch row-major
+        self._dst = torch.tensor([self.pages[r][t // ps] * ps + t % ps
+                                  for r, n in zip(rows, lens) for t in range(n, n + T)],
+                                 device=dev)
+        self._seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev) + T
+        self.n_pages = self.n_read = [-(-(n + T) // ps) for n in lens]
+        self._table = self.table[torch.tensor(rows, device=dev), :max(self.n_pages)]
+        slots, _ = dense_slots(self._table, self._seq_lens, ps)  # (B, S) every cached token
+        # (B, 1, T, S): new token i of row b sees the keys at positions <= lens[b] + i
+        see = torch.arange(slots.shape[1], device=dev) <= self._pos[:, :, None]
+        self._slots, self._see = slots, see[:, None]
+        # pages the new tokens touch that are full once they are in: their metadata is rewritten
+        filled = [self.pages[r][j] for r, n in zip(rows, lens)
+                  for j in range(n // ps, (n + T) // ps)]
+        self._filled = torch.tensor(filled, dtype=torch.long, device=dev) if filled else None
+        self._laid = None  # lanes: lengths moved by T, not one: the next decode step re-lays
+
+    def truncate(self, seq, n):
+        """Cut sequence `seq` back to its first n cached tokens (speculative decoding, after a
+        rejection): its pages past them go back. A page left partial keeps its metadata, which no
+        selection reads (the partial last page is always read) and which is rewritten when the
+        page fills again; kept scores (rescore_every > 1) of such a page stay stale until the next
+        rescoring. Never into the shared prompt pages."""
+        ps, keep = self.page_size, -(-n // self.page_size)
+        if n < self.n_shared[seq] * ps or n > self.lens[seq]:
+            raise ValueError(f"truncate: sequence {seq} holds {self.lens[seq]} tokens, "
+                             f"{self.n_shared[seq] * ps} of them shared; cannot cut to {n}")
+        for p in self.pages[seq][keep:]:  # own pages: one holder each
+            self.refs[p], self.used = 0, self.used - 1
+            if self.free is not None:
+                self.free.append(p)
+        del self.pages[seq][keep:]
+        self.lens[seq], self._laid = n, None
+
     # ---- what the model calls
 
     def positions(self, T):
@@ -259,6 +343,8 @@ class PagedKVCache:
             vp.index_copy_(1, dst, v[b, :, t].transpose(0, 1).to(vp.dtype))
             self._write_meta(layer, self._filled)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self._mode == "verify":
+            return self._attend_verify(layer, kp, vp, q, k, v)
         # the new token first: it attends to itself; (Hkv, B, D) into B token slots
         kp.index_copy_(1, self._dst, k[:, :, 0].transpose(0, 1).to(kp.dtype))
         vp.index_copy_(1, self._dst, v[:, :, 0].transpose(0, 1).to(vp.dtype))
@@ -270,6 +356,7 @@ class PagedKVCache:
             t0 = self._tick("select", t0)
             if self.record is not None:
                 self.record.append((self.step, self._rows, layer, sel, n_sel))
+            self.read_layer[layer] += n_sel.sum()  # what the selection really reads, all heads
         if sel is None and self.lanes is not None and not q.is_cuda:
             y = self._attend_lanes(kp, vp, q[:, :, 0])
         else:
@@ -285,6 +372,24 @@ class PagedKVCache:
         if self.clock is not None:
             self.clock[name] += now - t0
         return now
+
+    def _attend_verify(self, layer, kp, vp, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
+        """The verify forward's dense attention: the T new tokens' K and V into their slots (over
+        the draft's), the touched pages' metadata, then one gather of each row's cache through its
+        page table and SDPA with the causal mask of `begin_verify`. Plain PyTorch, every layer."""
+        B, H, T, D = k.shape
+        t0 = time.perf_counter()
+        kp.index_copy_(1, self._dst, k.transpose(0, 1).reshape(H, B * T, D).to(kp.dtype))
+        vp.index_copy_(1, self._dst, v.transpose(0, 1).reshape(H, B * T, D).to(vp.dtype))
+        self._write_meta(layer, self._filled)
+        S = self._slots.shape[1]
+        # (B, Hkv, S, D): the pool is head-major, so one index_select over its token slots
+        kc, vc = (p.index_select(1, self._slots.view(-1)).view(H, B, S, D).transpose(0, 1)
+                  for p in (kp, vp))
+        y = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=self._see,
+                                           enable_gqa=True)
+        self._tick("attn", t0)
+        return y  # (B, Hq, T, D)
 
     def _attend_lanes(self, kp, vp, q):  # kp, vp (Hkv, slots, D); q (B, Hq, D) -> (B, Hq, D)
         """CPU dense decode on the lanes: the live rows' own tokens are one strided view of the
@@ -307,7 +412,7 @@ class PagedKVCache:
     def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
         meta = [m[layer] for m in (self.kmin, self.kmax) if m is not None] or [self.kmean[layer]]
         args = (*self._counts, self.keep_first, self.keep_recent, max(self.n_read))
-        kept, rescore = None, (self.step - 1) % self.rescore_every == 0  # steps count from 1
+        kept, rescore = None, rescores(self.step, self.rescore_every)
         last = self._last.get(layer)
         if self.scores is not None and not rescore and last is not None and last[0] == self._key:
             return last[1]  # the same scores, pages and budgets as the step before: its pick
@@ -336,6 +441,6 @@ class PagedKVCache:
 
     def advance(self, T):
         self.routes.add(self._mode, self._groups if self._mode == "prefill" else self._rows)  # MoE
-        if self._mode == "decode":
+        if self._mode in ("decode", "verify"):
             for r in self._rows:
                 self.lens[r] += T

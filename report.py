@@ -5,8 +5,9 @@ figure they show is also in out_dir/metrics.jsonl.
 
 The step lines, one stage after another (the README explains each label):
     step   12  kept 14/16 in 2 tries | rollout 0.65s len 34 kv 1.00 | reward 0.858 verify 0.00
-               p5 alpha 0.912 | loss +0.0123 gn 0.92 1.8s | acc 1.000
-               rollout vs dense 1.52x | kv table [3, 4] | ...  (only what this run has)
+               p5 alpha 0.912 tv q0.95 0.41 mean 0.12 | loss +0.0123 gn 0.92 1.8s | acc 1.000
+               rollout vs dense 1.52x, reward gap -0.031 (dense 0.640) | kv table [3, 4] | ...
+               (only what this run has)
 
 Simplifications:
     1. Every line stays within 100 columns; a figure a run does not have is left out, not zeroed.
@@ -33,20 +34,25 @@ def step_lines(rec):
                g("gen_s", "rollout {:.2f}s") + g("len_mean", " len {:.0f}")
                + g("kv_read", " kv {:.2f}"),
                g("reward", "reward {:.3f}") + g("reach_verify", " verify {:.2f}"))
-    learn = (g("alpha_p5", "p5 alpha {:.3f}"),
+    tq = f"tv q{1 - rec.get('alpha_bins', {}).get('q', 0.05):.2f}"  # the rollout TV's tail
+    learn = (g("alpha_p5", "p5 alpha {:.3f}") + g("tv_tail", f" {tq} {{:.2f}}")
+             + g("tv_mean", " mean {:.2f}"),
              g("loss", "loss {:+.4f}") + g("grad_norm", " gn {:.2f}") + g("train_s", " {:.1f}s"),
              g("acc", "acc {:.3f}"))
     bins, q = rec.get("alpha_bins", {}).get("p5"), rec.get("alpha_bins", {}).get("q", 0.05)
     tail = "p5" if q == 0.05 else f"q{q:g}"  # the quantile kv_quantile holds (p5: Sparrow's)
-    extra = (g("rollout_speedup", "rollout vs dense {:.2f}x"), g("kv_table", "kv table {}"),
-             f"{tail} alpha per bin {[round(x, 2) for x in bins]}" if bins else "",
-             g("distill_kl", "distill kl {:.4f}"), nz("errors", "reward errors {}"),
+    kv = (g("rollout_speedup", "rollout vs dense {:.2f}x") + g("reward_gap", ", reward "
+          "gap {:+.3f}") + g("dense_reward", " (dense {:.3f})"), g("kv_table", "kv table {}"))
+    per_bin = ((f"kv read per bin {[round(x, 2) for x in rec['kv_read_bins']]}"
+                if rec.get("kv_read_bins") else ""),
+               f"{tail} alpha per bin {[round(x, 2) for x in bins]}" if bins else "")
+    extra = (g("distill_kl", "distill kl {:.4f}"), nz("errors", "reward errors {}"),
              g("moe_diff", "moe routes differ {:.3f}") + g("moe_diff_tok", " (tokens {:.2f})")
              + g("alpha_own_p5", ", p5 alpha own {:.3f}") + g("alpha_replay_p5", " replay {:.3f}"),
              nz("timeouts", "reward timeouts {}"), nz("truncated", "truncated {}"),
              nz("skipped_nonfinite", "NONFINITE steps skipped {}"),
              g("sync_bytes", "sync {:,} bytes") + g("sync_ratio", " ({:.3f} of full)"))
-    lines = [" | ".join(p for p in part if p) for part in (collect, learn, extra)]
+    lines = [" | ".join(p for p in part if p) for part in (collect, learn, kv, per_bin, extra)]
     return f"step {rec['step']:4d}  " + "\n           ".join(line for line in lines if line)
 
 

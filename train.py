@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 import copies
 import parallel
-from calibrate import Controller, Schedule, kv_budget, observe
+from calibrate import Controller, Schedule, kv_budget, observe, read_figures
 from checkpoint import load_checkpoint, save_checkpoint
 from config import cli, parse_config
 from distill import DistillSparse
@@ -140,12 +140,15 @@ def build(cfg, rank, world, dev, role, log):
     gen = dict(tokenizer=tok, max_new_tokens=cfg.max_new_tokens, stop=stop)
     kv = dict(temperature=cfg.temperature, top_p=cfg.top_p, page_size=cfg.page_size,
               scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers,
-              rescore_every=cfg.kv_rescore_every)
+              rescore_every=cfg.kv_rescore_every, keep_first=cfg.kv_keep_first,
+              keep_recent=cfg.kv_keep_recent)
     engine = Engine(rollout_model, sparse=budget, record_pages=distill is not None,
                     topk_logprobs=topk, **gen, **kv)
     dense_engine = Engine(rollout_model, **gen, **kv) if cfg.kv_compare_every and budget else None
     schedule = budget if isinstance(budget, Schedule) else None
-    controller = Controller(schedule, target=cfg.kv_target) if cfg.kv_controller else None
+    target = cfg.kv_target if cfg.kv_hold == "position" else cfg.kv_tv_target
+    controller = (Controller(schedule, target=target, hold=cfg.kv_hold) if cfg.kv_controller
+                  else None)
     greedy = Engine(full, temperature=0.0, **gen)  # held-out accuracy is the policy's own
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
@@ -297,8 +300,6 @@ def collect(cfg, step, run):
         prompt_ids = [run.train_ids[i] for i, _ in batch]
         ro = run.engine.generate(prompt_ids, G, seed=seed)  # stage 2
         rec["gen_s"] += time.perf_counter() - t0
-        if t == 0 and run.dense_engine is not None and step % cfg.kv_compare_every == 0:
-            rec.update(compare_dense(cfg, run, ro, prompt_ids, seed))
         if t == 0 and ro.experts is not None and run.role.trains:  # MoE: routing vs the trainer's
             rec.update(replay_mismatch(run.replica or run.model, prompt_ids, ro, cfg.temperature,
                                        cfg.micro_batch, run.engine.pad_id))
@@ -310,11 +311,18 @@ def collect(cfg, step, run):
             ref = (run.rollout_model if run.ships_copy and run.role.split
                    else run.replica or run.model)
             a = dense_alpha(ref, prompt_ids, ro, cfg.temperature, cfg.micro_batch)
-            alphas.append((a[ro.mask], ro.budget_dense[ro.mask].long()))
+            rows = torch.arange(len(ro))[:, None].expand(ro.mask.shape)[ro.mask]
+            alphas.append((a[ro.mask], ro.budget_dense[ro.mask].long(),
+                           rows + (t * n + me) * 2**20))  # a label per rollout, on every rank
+            if t == 0 and run.engine.budget is not None:
+                L = run.engine.model.config.num_hidden_layers
+                rec.update(read_figures(ro, cfg.kv_bin_pages, L, cfg.dense_layers))
             rec["alpha_s"] = rec.get("alpha_s", 0.0) + time.perf_counter() - t0
         res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts,
                                       group_size=G, finish=ro.finish)  # stage 3: cut rows score 0
         results.append(res)
+        if t == 0 and run.dense_engine is not None and step % cfg.kv_compare_every == 0:
+            rec.update(compare_dense(cfg, run, ro, batch, prompt_ids, seed, res.rewards))
         r = torch.tensor(res.rewards, dtype=torch.float32)
         if cfg.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifier's reward
             r += torch.tensor(overlong_penalty(ro.mask.sum(1).tolist(), cfg.max_new_tokens,
@@ -351,9 +359,9 @@ def collect(cfg, step, run):
                **combine(results).summary(), collect_s=time.perf_counter() - t_start)
     if run.measure:  # Sparrow's tail over every rank's tokens; the controller moves the table
         mine = [torch.cat(x) for x in zip(*alphas)]
-        a, pages = (torch.cat(x) for x in zip(*parallel.gather(mine, n, group)))
+        a, pages, rows = (torch.cat(x) for x in zip(*parallel.gather(mine, n, group)))
         rec.update(observe(a, pages, cfg.kv_bin_pages, run.schedule, run.controller,
-                           cfg.kv_quantile))
+                           cfg.kv_quantile, rows))
     return kept, rec
 
 
@@ -362,15 +370,28 @@ def rollout_seed(seed, step, try_, rank):
     return hash((seed, step, try_, rank)) & (2**63 - 1)  # ints hash the same in every process
 
 
-def compare_dense(cfg, run, ro, prompt_ids, seed):
-    """The same prompts again on a dense engine (same weights, same seed), timed: the sparse
-    budget's rollout speedup, measured in the run itself, in tokens per second (prefill included),
-    since the two rollouts may differ in length. The dense rollout is thrown away."""
-    de, sp = run.dense_engine.generate(prompt_ids, cfg.group_size, seed=seed).timings, ro.timings
-    rate = {k: t["new_tokens"] / max(1e-9, t["prefill_s"] + t["decode_s"])
-            for k, t in (("dense", de), ("sparse", sp))}
-    return {"dense_tok_s": rate["dense"], "sparse_tok_s": rate["sparse"],
-            "rollout_speedup": rate["sparse"] / rate["dense"]}
+def compare_dense(cfg, run, ro, batch, prompt_ids, seed, rewards):
+    """Paired fidelity, every kv_compare_every steps, on the dense engine (same weights):
+    - the same prompts with the same seed, scored by the same cascade: dense_reward, and
+      reward_gap = sparse - dense, the training signal the sparse rollout lost;
+    - the sparse rollout's own tokens decoded densely (Engine.generate(force=...)): the same rows
+      at the same lengths, so rollout_speedup (dense time / sparse time) times the same work, and
+      neither side is timed at a length the other does not reach."""
+    G = cfg.group_size
+    dense = run.dense_engine.generate(prompt_ids, G, seed=seed)
+    scored = run.cascade.score_batch([p for _, p in batch for _ in range(G)], dense.texts,
+                                     group_size=G, finish=dense.finish)
+    lens = ro.mask.sum(1).tolist()
+    forced = run.dense_engine.generate(prompt_ids, G, seed=seed,
+                                       force=[ro.tokens[i, :n].tolist() for i, n in enumerate(lens)])
+    secs = {k: x.timings["prefill_s"] + x.timings["decode_s"]
+            for k, x in (("dense", forced), ("sparse", ro))}
+    sparse_r, dense_r = sum(rewards) / len(rewards), sum(scored.rewards) / len(scored.rewards)
+    return {"dense_reward": dense_r, "reward_gap": sparse_r - dense_r,
+            "dense_len_mean": dense.mask.sum(1).float().mean().item(),
+            "dense_tok_s": forced.timings["new_tokens"] / max(1e-9, secs["dense"]),
+            "sparse_tok_s": ro.timings["new_tokens"] / max(1e-9, secs["sparse"]),
+            "rollout_speedup": secs["dense"] / max(1e-9, secs["sparse"])}
 
 
 def learn(cfg, run, kept):

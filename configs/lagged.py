@@ -43,6 +43,7 @@ page_size = 64
 kv_bin_pages = 8
 kv_rescore_every = 4
 dense_layers = 1
-kv_candidates = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # 48: past the longest context (every page)
+# from the floor (1 sink + 2 recent pages, read at every step) to 48, past the longest context
+kv_candidates = (3, 4, 6, 8, 12, 16, 24, 32, 48)
 calib_prompts = 4
 kv_compare_every = 5

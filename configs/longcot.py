@@ -40,6 +40,6 @@ kv_bin_pages = 8
 dense_layers = 1
 kv_budget = "calibrate"
 kv_controller = True
-kv_candidates = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48)
+kv_candidates = (3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48)
 calib_prompts = 16
 kv_compare_every = 5    # every 5 steps, the same prompts on a dense engine: the speedup, measured in the run

@@ -85,7 +85,7 @@ def test_resume_reads_the_calibrated_schedule_instead_of_recalibrating(tmp_path,
     run = TINY_RUN + ["--page_size=2", "--dense_layers=0", "--max_new_tokens=16",
                       "--kv_bin_pages=4", "--kv_candidates=(1,2,4,8,16)", "--calib_prompts=2",
                       "--kv_target=0.5", "--kv_budget=calibrate", f"--out_dir={tmp_path}",
-                      "--save_every=1"]
+                      "--save_every=1", "--kv_keep_first=0", "--kv_keep_recent=1"]
     train.main(run + ["--steps=1"])
     table = tmp_path / "kv_schedule.json"
     before = (table.stat().st_mtime_ns, table.read_text())
@@ -148,6 +148,7 @@ def test_the_loop_measures_alpha_on_every_generated_row_not_only_kept_groups(tmp
     monkeypatch.setattr(reward.Cascade, "score_batch", all_zero)
     recs = train.main(TINY_RUN + ["--steps=1", "--refill_tries=0", "--page_size=2",
                                   "--dense_layers=0", "--kv_budget=fixed:2", "--kv_bin_pages=4",
+                                  "--kv_keep_recent=1",
                                   f"--out_dir={tmp_path}", "--save_every=100"])["records"]
     r = recs[0]
     assert r["groups_kept"] == 0 and r["tokens"] == 0  # nothing trained...

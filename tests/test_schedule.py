@@ -62,7 +62,7 @@ def test_calibrate_finds_the_minimal_table():
     assert calibrate(lambda t: synthetic_p5(t, c=[2.0, 1.0]), 2, range(1, 100), TARGET) == [15, 15]
     assert calibrate(lambda t: synthetic_p5(t, c=[2.0, 1.0]), 2, range(1, 100), TARGET,
                      monotone=False) == [15, 8]
-    with pytest.raises(ValueError, match=r"bins \(bin, best p5\) \[\(3, 0.8167\)\]"):
+    with pytest.raises(ValueError, match=r"bins \(bin, best position figure\) \[\(3, 0.8167\)\]"):
         calibrate(lambda t: synthetic_p5(t), 4, [10, 24], TARGET)
 
 

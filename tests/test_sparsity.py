@@ -255,6 +255,9 @@ def test_rescoring_every_k_steps_scores_at_steps_1_k_plus_1_and_reuses_between(m
         return out
 
     monkeypatch.setattr(kvcache, "select_pages_cpu", spy)
+    # a plain stride, so that the rescored steps are known here (the engine's hashed offsets, which
+    # cannot alias with a task's rhythm, are tests/test_sparse_fidelity.py's)
+    monkeypatch.setattr(kvcache, "rescores", lambda step, every: (step - 1) % every == 0)
     eng = rollout.Engine(m, Ids(), sparse=fraction_budget(0.3), rescore_every=4, max_new_tokens=9,
                          temperature=0.0, page_size=4, dense_layers=0, eos_ids=[-1],
                          record_pages=True)

@@ -328,8 +328,14 @@ def test_sparse_kv_budget_in_the_loop(tmp_path, monkeypatch):
     run = TINY_RUN + ["--steps=1", "--page_size=4", "--dense_layers=0", "--max_new_tokens=24",
                       "--save_every=100"]
     dense = train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=dense"])["records"][0]
-    sparse = train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=fixed:2"])["records"][0]
+    sparse = train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=fixed:2",
+                               "--kv_keep_recent=1"])["records"][0]
     assert dense["kv_read"] == pytest.approx(1.0) and sparse["kv_read"] < 1.0
+    # the read fraction the log gives per layer and per bin is what the engine counted
+    layers = sparse["kv_read_layers"]  # dense_layers=0: every layer reads the sparse budget
+    assert layers and layers == pytest.approx([sparse["kv_read"]] * len(layers), abs=1e-3)
+    with pytest.raises(ValueError, match=r"below the 3 pages every sparse step reads"):
+        train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=fixed:2"])  # 1 sink + 2 recent
     with pytest.raises(ValueError, match="kv_budget"):
         train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=fraction:2"])
     with pytest.raises(ValueError, match="kv_budget"):
@@ -341,6 +347,7 @@ def test_kv_controller_raises_a_table_that_misses_the_target(tmp_path, monkeypat
     use_parity_reward(monkeypatch.setattr)
     run = TINY_RUN + ["--steps=3", "--page_size=2", "--dense_layers=0", "--max_new_tokens=24",
                       "--save_every=100", "--kv_budget=table:1,1", "--kv_bin_pages=4",
+                      "--kv_keep_first=0", "--kv_keep_recent=1",
                       "--kv_controller=true", "--kv_target=0.999", "--is_correction=none",
                       f"--out_dir={tmp_path}"]
     recs = train.main(run)["records"]
@@ -400,13 +407,16 @@ def test_calibrated_schedule_distill_and_dense_comparison_in_the_loop(tmp_path, 
     use_parity_reward(monkeypatch.setattr)
     run = TINY_RUN + ["--page_size=2", "--dense_layers=0", "--max_new_tokens=24",
                       "--kv_bin_pages=4", "--kv_candidates=(1,2,4,64)", "--calib_prompts=2",
-                      "--kv_target=0.5", "--kv_compare_every=2"]
+                      "--kv_target=0.5", "--kv_compare_every=2", "--kv_keep_first=0",
+                      "--kv_keep_recent=1"]
     a = train.main(run + ["--steps=1", "--kv_budget=calibrate",
                           f"--out_dir={tmp_path / 'a'}"])["records"]
     sd = json.load(open(tmp_path / "a" / "kv_schedule.json"))
     assert (sd["bin_pages"] == 4 and sd["table"] == sorted(sd["table"])
             and a[0]["kv_table"] == sd["table"])
     assert a[0]["rollout_speedup"] > 0 and a[0]["dense_tok_s"] > 0
+    # paired: the dense rollout of the same prompts is scored, the gap is sparse minus dense
+    assert a[0]["reward_gap"] == pytest.approx(a[0]["reward"] - a[0]["dense_reward"], abs=1e-6)
     b = run + ["--distill_r=2", f"--kv_budget=schedule:{tmp_path / 'a' / 'kv_schedule.json'}",
                "--save_every=2"]
     recs = killed_at_2_then_resumed(monkeypatch, b + [f"--out_dir={tmp_path / 'b'}"])
