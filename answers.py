@@ -1,6 +1,7 @@
 """
 answers.py: how a completion's answer is read back, and whether it equals the reference: the
-extractors and the comparison that the reward's cheap stages use (reward.py).
+extractors and the comparison that the reward's cheap stages use (reward.py), and the process
+that runs its expensive verifiers.
 
     from answers import extract_answer, cheap_verdict
     extract_answer("gsm8k", "... #### 18 - 6 = 12")  # "12"
@@ -13,6 +14,9 @@ What is here:
                        (synthetic), everything after the last "####" (reasoning-gym)
     comparison         normalize_answer and cheap_verdict, the reward's stage 3: plain numbers by
                        exact value; None where only a verifier can tell
+    VerifyWorker       the verifiers of the reward's stage 4 in a process of their own, killed at
+                       a deadline: math-verify, and reasoning-gym's score_answer (`python
+                       answers.py --verify-worker MEM_MB ALARM_S [--rg]` is that process)
 
 Simplifications:
     1. A GSM8K answer needs its "####": on that line the number after the last "=", else the last
@@ -29,7 +33,16 @@ Simplifications:
 """
 from __future__ import annotations
 
+import base64
+import json
+import math
+import os
+import pickle
 import re
+import select
+import subprocess
+import sys
+import time
 from fractions import Fraction
 from typing import Callable, Optional
 
@@ -263,3 +276,147 @@ def cheap_verdict(pred: Optional[str], gold: Optional[str]) -> Optional[bool]:
         if rb is None and _DECIMAL.search(a) and _symbolic(b) and not _symbolic(a):
             return False
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The verifiers that a cheap comparison cannot stand in for, in a worker process: math-verify
+# (it hangs for good on 10^{10^{10^{10}}}) and reasoning-gym's scorers (countdown's evaluates the
+# answer as Python). The reward's stage 4 calls them with a deadline and kills what overruns it.
+
+class VerifyWorker:
+    """One verifier process (`python answers.py --verify-worker ...`), spoken to in JSON lines:
+    math-verify, and reasoning-gym's scorers. The reward's stage 4 (reward.py) holds a few.
+
+    A call past its deadline kills the process and the next call starts a fresh one (about a
+    second: importing sympy; 1.5 s more with reasoning-gym, imported once a scorer is asked for).
+    A worker that dies (e.g. on its memory cap) is restarted the same way.
+    """
+
+    def __init__(self, mem_mb: int, timeout_s: float):
+        self.mem_mb, self.timeout_s, self.proc = int(mem_mb), float(timeout_s), None
+        self.rg = False  # whether the process imports reasoning-gym when it starts
+
+    def _start(self) -> None:
+        alarm_s = math.ceil(self.timeout_s) + 1  # the worker's own alarm fires after our deadline
+        here = os.path.abspath(__file__)
+        self.proc = subprocess.Popen(
+            [sys.executable, here, "--verify-worker", str(self.mem_mb), str(alarm_s)]
+            + (["--rg"] if self.rg else []),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            cwd=os.path.dirname(here))
+        ready = self._read(time.monotonic() + 120)  # the first import can be slow on a busy machine
+        if ready != {"ready": True}:
+            self.kill()
+            raise RuntimeError(f"the verify worker did not start: {ready}")
+
+    def _read(self, deadline: float) -> Optional[dict]:
+        """The next reply, or None at the deadline or at EOF. A reply is one small write (atomic on
+        a pipe), so once select says the pipe is readable, the whole line is there."""
+        out = self.proc.stdout
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([out], [], [], left)[0]:
+            return None
+        line = out.readline()
+        return json.loads(line) if line else None
+
+    def check(self, gold: str, pred: str) -> tuple:
+        """(equal, "ok"), (None, "timeout") or (None, "error: ...")."""
+        reply, status = self._ask({"gold": gold, "pred": pred}, "math-verify")
+        return (bool(reply.get("equal")), status) if status == "ok" else (None, status)
+
+    def score_rg(self, meta: dict, pred: str) -> tuple:
+        """reasoning-gym's score_answer(pred, item) for a problem's meta (tasks.make_reasoning_gym)
+        -> (score, "ok"), (None, "timeout") or (None, "error: ..."). The item travels pickled:
+        its metadata keeps its tuples, which JSON would make lists."""
+        if not self.rg:  # a worker started without reasoning-gym: the next start imports it
+            self.rg = True
+            self.kill()
+        item = (meta["rg_name"], meta.get("rg_kwargs") or {}, pred, meta["entry"])
+        req = {"rg": base64.b64encode(pickle.dumps(item)).decode()}
+        reply, status = self._ask(req, f"reasoning-gym {meta['rg_name']}")
+        return (reply.get("score"), status) if status == "ok" else (None, status)
+
+    def _ask(self, request: dict, what: str) -> tuple:
+        """(reply, "ok"), or (None, "timeout" | "error: ..."); a hung worker is killed."""
+        try:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            reply = self._read(time.monotonic() + self.timeout_s)
+        except (OSError, RuntimeError, ValueError) as e:
+            self.kill()
+            return None, f"error: {what} worker: {e}"
+        if reply is None:
+            hung = self.proc.poll() is None
+            self.kill()
+            return (None, "timeout") if hung else (None, f"error: the {what} worker died")
+        if "error" in reply:
+            return None, f"error: {what}: {reply['error']}"
+        return reply, "ok"
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
+
+
+def _verify_worker(mem_mb: int, alarm_s: int, rg: bool = False) -> None:
+    """The worker's loop: one request per line in ({"gold", "pred"} for math-verify, {"rg": the
+    pickled (name, settings, answer, item)} for a reasoning-gym scorer), one reply per line out."""
+    import functools
+    import resource
+    import signal
+
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # a library that prints writes to stderr, never into the replies
+
+    def send(obj):
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    # 10^{10^{10}} ends in MemoryError
+    resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
+    try:
+        import logging
+
+        from math_verify import parse, verify
+        logging.disable(logging.WARNING)  # math-verify logs every parse failure
+        if rg:
+            import reasoning_gym
+    except Exception as e:
+        return send({"ready": False, "error": f"{type(e).__name__}: {e}"})
+    # countdown's scorer evaluates the answer as Python (sympy's parse_expr): it may write no file
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # replies go to a pipe, not a file
+    parse_gold = functools.lru_cache(maxsize=4096)(
+        lambda s: parse(f"${s}$", parsing_timeout=alarm_s))
+    scorers = {}  # (name, settings) -> score_answer of a dataset made once
+
+    def rg_score(name, kwargs, answer, item):
+        key = (name, repr(sorted(kwargs.items())))
+        if key not in scorers:  # size 1: some generators build their items when made
+            scorers[key] = reasoning_gym.create_dataset(name, size=1, seed=0, **kwargs).score_answer
+        return float(scorers[key](answer, item))
+
+    send({"ready": True})
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            if "rg" in req:  # pickled by our own trainer, so safe to load
+                signal.alarm(alarm_s)  # an orphan stuck in a scorer ends (we kill it sooner)
+                score = rg_score(*pickle.loads(base64.b64decode(req["rg"])))
+                signal.alarm(0)
+                send({"score": score})
+                continue
+            gold, pred = parse_gold(req["gold"]), parse(f"${req['pred']}$", parsing_timeout=alarm_s)
+            send({"equal": bool(gold and pred and verify(gold, pred, timeout_seconds=alarm_s))})
+        except BaseException as e:  # MemoryError included: report it and take the next request
+            send({"error": f"{type(e).__name__}: {e}"[:300]})
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--verify-worker"]:
+        sys.exit(_verify_worker(int(sys.argv[2]), int(sys.argv[3]), "--rg" in sys.argv[4:]))

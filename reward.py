@@ -47,9 +47,9 @@ Simplifications:
      symbolic reference, because math-verify rounds (it calls 0.333333 and 1/3, 1.41421356 and
      \\sqrt{2} equal); what stage 3 leaves to math-verify (expressions) keeps that rounding.
   8. reasoning-gym's scorers are not all pure: countdown's reads the answer with sympy's
-     parse_expr, which evaluates it as Python. So they run in the math-verify worker, with its
-     deadline and memory cap, and that worker may write no file (RLIMIT_FSIZE 0); it is not a
-     sandbox: it runs as our user. Stage 3 settles only an answer equal to the reference: a
+     parse_expr, which evaluates it as Python. So they run in the verify worker (answers.py), with
+     math-verify's deadline and memory cap, and it may write no file (RLIMIT_FSIZE 0); it is not
+     a sandbox: it runs as our user. Stage 3 settles only an answer equal to the reference: a
      wrong number goes on to the scorer too, which may give partial credit.
 
     with Cascade(max_chars=8000) as cascade:
@@ -62,18 +62,11 @@ Simplifications:
 from __future__ import annotations
 
 import ast
-import base64
 import importlib
 import importlib.util
 import inspect
-import json
 import math
 import numbers
-import os
-import pickle
-import select
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -83,7 +76,8 @@ from queue import Queue
 from typing import Callable, Optional, Sequence
 
 from sandbox import extract_code, run_program, run_tests
-from answers import EXTRACTORS, cheap_verdict, extract_answer, normalize_answer  # noqa: F401
+from answers import (EXTRACTORS, VerifyWorker, cheap_verdict, extract_answer,  # noqa: F401
+                     normalize_answer)
 from tasks import Problem
 
 JUDGE_MAX = 1e6  # a judge score beyond +-JUDGE_MAX (or not finite) is a fault, not a reward
@@ -130,7 +124,8 @@ def overlong_penalty(lengths: Sequence[int], max_new_tokens: int, buffer: int,
 
 
 # ---------------------------------------------------------------------------------------------
-# Calls with a deadline: a fixed pool of threads for the judge, a worker process for math-verify.
+# Calls with a deadline: a fixed pool of threads for the judge; the worker processes of math-verify
+# and reasoning-gym's scorers are answers.VerifyWorker.
 
 STAGES = ("dedup", "cheap", "exact", "verify", "judge")
 MATH_VERIFY_TASKS = ("gsm8k", "math")  # answers that stage 3 cannot settle go on to math-verify
@@ -245,140 +240,6 @@ def _parallel(fn: Callable, items: list, workers: int) -> list:
         return list(ex.map(fn, items))
 
 
-class _MathWorker:
-    """One math-verify process (`python reward.py --math-worker ...`), spoken to in JSON lines; it
-    also runs reasoning-gym's scorers.
-
-    A call past its deadline kills the process and the next call starts a fresh one (about a
-    second: importing sympy; 1.5 s more with reasoning-gym, imported once a scorer is asked for).
-    A worker that dies (e.g. on its memory cap) is restarted the same way.
-    """
-
-    def __init__(self, mem_mb: int, timeout_s: float):
-        self.mem_mb, self.timeout_s, self.proc = int(mem_mb), float(timeout_s), None
-        self.rg = False  # whether the process imports reasoning-gym when it starts
-
-    def _start(self) -> None:
-        alarm_s = math.ceil(self.timeout_s) + 1  # the worker's own alarm fires after our deadline
-        here = os.path.abspath(__file__)
-        self.proc = subprocess.Popen(
-            [sys.executable, here, "--math-worker", str(self.mem_mb), str(alarm_s)]
-            + (["--rg"] if self.rg else []),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            cwd=os.path.dirname(here))
-        ready = self._read(time.monotonic() + 120)  # the first import can be slow on a busy machine
-        if ready != {"ready": True}:
-            self.kill()
-            raise RuntimeError(f"the math-verify worker did not start: {ready}")
-
-    def _read(self, deadline: float) -> Optional[dict]:
-        """The next reply, or None at the deadline or at EOF. A reply is one small write (atomic on
-        a pipe), so once select says the pipe is readable, the whole line is there."""
-        out = self.proc.stdout
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([out], [], [], left)[0]:
-            return None
-        line = out.readline()
-        return json.loads(line) if line else None
-
-    def check(self, gold: str, pred: str) -> tuple:
-        """(equal, "ok"), (None, "timeout") or (None, "error: ...")."""
-        reply, status = self._ask({"gold": gold, "pred": pred}, "math-verify")
-        return (bool(reply.get("equal")), status) if status == "ok" else (None, status)
-
-    def score_rg(self, meta: dict, pred: str) -> tuple:
-        """reasoning-gym's score_answer(pred, item) for a problem's meta (tasks.make_reasoning_gym)
-        -> (score, "ok"), (None, "timeout") or (None, "error: ..."). The item travels pickled:
-        its metadata keeps its tuples, which JSON would make lists."""
-        if not self.rg:  # a worker started without reasoning-gym: the next start imports it
-            self.rg = True
-            self.kill()
-        item = (meta["rg_name"], meta.get("rg_kwargs") or {}, pred, meta["entry"])
-        req = {"rg": base64.b64encode(pickle.dumps(item)).decode()}
-        reply, status = self._ask(req, f"reasoning-gym {meta['rg_name']}")
-        return (reply.get("score"), status) if status == "ok" else (None, status)
-
-    def _ask(self, request: dict, what: str) -> tuple:
-        """(reply, "ok"), or (None, "timeout" | "error: ..."); a hung worker is killed."""
-        try:
-            if self.proc is None or self.proc.poll() is not None:
-                self._start()
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            reply = self._read(time.monotonic() + self.timeout_s)
-        except (OSError, RuntimeError, ValueError) as e:
-            self.kill()
-            return None, f"error: {what} worker: {e}"
-        if reply is None:
-            hung = self.proc.poll() is None
-            self.kill()
-            return (None, "timeout") if hung else (None, f"error: the {what} worker died")
-        if "error" in reply:
-            return None, f"error: {what}: {reply['error']}"
-        return reply, "ok"
-
-    def kill(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-            proc.stdin.close()
-            proc.stdout.close()
-
-
-def _math_worker(mem_mb: int, alarm_s: int, rg: bool = False) -> None:
-    """The worker's loop: one request per line in ({"gold", "pred"} for math-verify, {"rg": the
-    pickled (name, settings, answer, item)} for a reasoning-gym scorer), one reply per line out."""
-    import functools
-    import resource
-    import signal
-
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # a library that prints writes to stderr, never into the replies
-
-    def send(obj):
-        replies.write(json.dumps(obj) + "\n")
-        replies.flush()
-
-    # 10^{10^{10}} ends in MemoryError
-    resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
-    try:
-        import logging
-
-        from math_verify import parse, verify
-        logging.disable(logging.WARNING)  # math-verify logs every parse failure
-        if rg:
-            import reasoning_gym
-    except Exception as e:
-        return send({"ready": False, "error": f"{type(e).__name__}: {e}"})
-    # countdown's scorer evaluates the answer as Python (sympy's parse_expr): it may write no file
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # replies go to a pipe, not a file
-    parse_gold = functools.lru_cache(maxsize=4096)(
-        lambda s: parse(f"${s}$", parsing_timeout=alarm_s))
-    scorers = {}  # (name, settings) -> score_answer of a dataset made once
-
-    def rg_score(name, kwargs, answer, item):
-        key = (name, repr(sorted(kwargs.items())))
-        if key not in scorers:  # size 1: some generators build their items when made
-            scorers[key] = reasoning_gym.create_dataset(name, size=1, seed=0, **kwargs).score_answer
-        return float(scorers[key](answer, item))
-
-    send({"ready": True})
-    for line in sys.stdin:
-        try:
-            req = json.loads(line)
-            if "rg" in req:  # pickled by our own trainer, so safe to load
-                signal.alarm(alarm_s)  # an orphan stuck in a scorer ends (we kill it sooner)
-                score = rg_score(*pickle.loads(base64.b64decode(req["rg"])))
-                signal.alarm(0)
-                send({"score": score})
-                continue
-            gold, pred = parse_gold(req["gold"]), parse(f"${req['pred']}$", parsing_timeout=alarm_s)
-            send({"equal": bool(gold and pred and verify(gold, pred, timeout_seconds=alarm_s))})
-        except BaseException as e:  # MemoryError included: report it and take the next request
-            send({"error": f"{type(e).__name__}: {e}"[:300]})
-
-
 # ---------------------------------------------------------------------------------------------
 # The cascade.
 
@@ -470,7 +331,7 @@ class Cascade:
         self._judges = _JudgePool(judge, judge_workers, self.judge_timeout_s) if judge else None
         self.code_workers = code_workers
         self.code_limits = {"timeout_s": 5.0, "cpu_s": 5, "mem_mb": 512, **(code_limits or {})}
-        self._workers = [_MathWorker(verify_mem_mb, verify_timeout_s)
+        self._workers = [VerifyWorker(verify_mem_mb, verify_timeout_s)
                          for _ in range(verify_workers)]
         self._idle: Queue = Queue()  # a verify thread takes a worker, uses it alone, gives it back
         for w in self._workers:
@@ -698,8 +559,6 @@ def load_judge(spec: str) -> Optional[Callable]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--math-worker"]:
-        sys.exit(_math_worker(int(sys.argv[2]), int(sys.argv[3]), "--rg" in sys.argv[4:]))
     half, root = Problem("?", r"\frac{1}{2}", "math"), Problem("?", r"\frac{\sqrt{2}}{2}", "math")
     add = Problem("Write add(a, b).", "", "code", {"test_list": ["assert add(1, 2) == 3"]})
     code = "```python\ndef add(a, b){}\n```".format
