@@ -1,0 +1,26 @@
+# python train.py configs/countdown_qwen3.py
+# One GPU (about 40 GB is plenty): GRPO from Qwen3-0.6B on reasoning-gym's Countdown, TinyZero's task: reach the
+# target with + - * / and each given number at most once. The problems are generated here, offline (about a minute
+# for the pool), and the library's own score_answer is the verifier's last stage: an expression that reaches the
+# target another way than the reference still scores 1. Only the model needs a network (or a local copy).
+# Expected figures: not yet run. A run should record held-out accuracy before and after RL, the reward curve and
+# the fraction of completions that reach the library's scorer ("verify" in the log).
+model = "Qwen/Qwen3-0.6B"
+task = "reasoning_gym:countdown"
+# 3 or 4 numbers from 1 to 100, targets 10 to 100 (TinyZero's range); the generator's default is 4-6 numbers
+# and targets 100-999
+rg_kwargs = {"min_numbers": 3, "max_numbers": 4, "min_target": 10, "max_target": 100}
+n_train = 4000          # about 12 ms a problem to generate
+n_eval = 200            # held out: no question of the pool among them
+out_dir = "out/countdown_qwen3_0.6b"
+autocast = "bfloat16"   # fp32 master weights, bf16 compute
+prompts_per_step = 32
+group_size = 8
+max_new_tokens = 1024   # Qwen3's chat template lets it think before "#### <expression>"
+temperature = 1.0
+lr = 1e-6               # full fine-tuning; LoRA wants about 10x more
+warmup_steps = 10
+steps = 200
+micro_batch = 8
+eval_every = 25
+save_every = 50

@@ -1,0 +1,213 @@
+"""reasoning-gym tasks: six generators through the cascade (the reference scores 1, a wrong answer less),
+sizes and seeds, the held-out set's disjointness, the config's checks of the name and the settings, bad
+rows at load and at scoring, and the one-GPU recipe built offline. One verify worker serves the module
+(starting one costs about 2.5 s: sympy and reasoning-gym)."""
+import dataclasses
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+rg = pytest.importorskip("reasoning_gym")
+
+from config import Config, parse_config  # noqa: E402
+from reward import Cascade, score_one  # noqa: E402
+from tasks import (CHARS, RG_INSTRUCTION, RG_SPLIT, Problem, build_char_tokenizer,  # noqa: E402
+                   encode_pool, format_prompt, load_problems, make_reasoning_gym, sft_problems)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = ["chain_sum", "basic_arithmetic", "countdown", "gsm_symbolic", "number_sorting", "leg_counting"]
+SMALL = {"countdown": {"min_numbers": 3, "max_numbers": 4, "min_target": 10, "max_target": 100}}
+
+
+@pytest.fixture(scope="module")
+def cascade():
+    with Cascade(max_chars=4000, verify_timeout_s=3.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def problems():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these items is malformed
+        return {n: make_reasoning_gym(n, 2, seed=0, kwargs=SMALL.get(n)) for n in NAMES}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return build_char_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_task_generates_formats_and_scores_through_the_cascade(name, problems, cascade, tok):
+    ps = problems[name]
+    assert [p.task for p in ps] == ["reasoning_gym"] * 2
+    for p in ps:
+        entry = p.meta["entry"]
+        assert p.prompt == entry["question"].strip() + RG_INSTRUCTION and p.answer == entry["answer"]
+        assert p.meta["rg_name"] == name and isinstance(p.meta.get("difficulty", 0), int)
+        assert format_prompt(tok, p, chat_template=True) == p.prompt  # no template: the raw prompt
+    p = ps[0]
+    texts = [f"Working it out.\n#### {p.answer}",  # the reference: stage 3 settles it
+             f"#### {p.answer}1",                   # wrong: only the library's scorer can say how wrong
+             p.answer]                              # no "####": no answer, stage 2
+    res = cascade.score_batch([p] * 3, texts)
+    assert res.rewards[0] == 1.0 and res.rewards[1] < 1.0 and res.rewards[2] == 0.0, res.notes
+    assert res.stages == ["exact", "verify", "cheap"]
+    assert res.reached["exact"] == 2 and res.reached["verify"] == 1 and res.errors == 0
+    assert score_one(p, texts[0]) == 1.0 and score_one(p, texts[1]) == 0.0
+
+
+def test_the_library_scorer_decides_what_stage_3_cannot(problems, cascade):
+    """A countdown expression that reaches the target by another spelling scores 1 in stage 4; the
+    library's partial credit stays: 0.05 for an expression that misses, 0.01 for text it cannot read."""
+    p = problems["countdown"][0]
+    nums = p.meta["entry"]["metadata"]["numbers"]
+    res = cascade.score_batch([p] * 3, [f"#### ({p.answer})", f"#### {' + '.join(map(str, nums))}",
+                                        "#### banana"])
+    target = p.meta["entry"]["metadata"]["target"]
+    assert res.rewards[0] == 1.0 and res.stages[0] == "verify"
+    assert res.rewards[1] == (1.0 if sum(nums) == target else 0.05)
+    assert res.rewards[2] == 0.01 and res.summary()["reach_verify"] == 1.0
+
+
+def test_chat_template_and_the_char_tokenizer_encode_every_character(problems, tok):
+    """The char tokenizer has every character of these prompts (no <unk>); with a chat template the
+    prompt is the user turn, as for gsm8k."""
+    ps = [p for n in NAMES for p in problems[n] if n != "gsm_symbolic"]  # gsm_symbolic: see below
+    cfg = Config(max_new_tokens=64, chat_template=False)
+    kept, ids = encode_pool(tok, ps, cfg, ctx=2048, log=lambda s: None)
+    assert len(kept) == len(ps) and all(tok.unk_token_id not in t for t in ids)
+    assert [tok.decode(t) for t in ids] == [p.prompt for p in ps]
+    chat = dataclasses.replace(cfg, chat_template=True)
+    tok.chat_template = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}<assistant>"
+    try:
+        kept, ids = encode_pool(tok, ps[:2], chat, ctx=2048, log=lambda s: None)
+    finally:
+        tok.chat_template = None
+    assert tok.decode(ids[0]) == f"<user>{ps[0].prompt}<assistant>"
+
+
+def test_items_with_characters_the_char_tokenizer_lacks_are_skipped_and_named():
+    with pytest.warns(UserWarning, match="characters the character tokenizer lacks") as rec:
+        kept = make_reasoning_gym("gsm_symbolic", 60, seed=0, chars=CHARS)
+    msg = str(rec[0].message)
+    assert msg.startswith("reasoning_gym:gsm_symbolic: skipped") and ("€" in msg or "£" in msg)
+    assert 0 < len(kept) < 60 and all(set(p.prompt + p.answer) <= set(CHARS) for p in kept)
+    assert len(make_reasoning_gym("gsm_symbolic", 60, seed=0)) == 60  # a real tokenizer: all of them
+
+
+def rg_config(**kw):
+    """A config for the tiny model's path (model empty: the char tokenizer, SFT data held out too),
+    built without parse_config, which refuses that pairing until the warm start has a teacher."""
+    base = dict(task="reasoning_gym:chain_sum", rg_kwargs={"min_terms": 2, "max_terms": 4}, n_train=200,
+                n_eval=40, sft_steps=10, sft_batch=4, seed=0)
+    return Config(**{**base, **kw})
+
+
+def test_sizes_and_seeds_are_deterministic():
+    cfg = rg_config()
+    pool, held = load_problems(cfg)
+    assert (len(pool), len(held)) == (200, 40)
+    again = load_problems(cfg)
+    assert [(p.prompt, p.answer) for p in pool + held] == [(p.prompt, p.answer) for p in again[0] + again[1]]
+    other, _ = load_problems(dataclasses.replace(cfg, seed=1))
+    assert [p.prompt for p in other] != [p.prompt for p in pool]
+    assert {p.meta["difficulty"] for p in pool} == {2, 3, 4}  # chain_sum: its number of terms
+    assert all(p.meta["rg_kwargs"] == cfg.rg_kwargs for p in pool)
+
+
+def test_held_out_shares_no_question_with_the_pool_or_the_sft_data():
+    """Two one-digit terms: about 200 distinct questions, so the splits' seeds alone would collide."""
+    cfg = rg_config(rg_kwargs={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+                    n_train=150, n_eval=30)
+    pool, held = load_problems(cfg)
+    sft = sft_problems(cfg)
+    seen = {p.prompt for p in pool} | {p.prompt for p in sft}
+    drawn = make_reasoning_gym("chain_sum", 2 * 30 + 100, cfg.seed + RG_SPLIT, cfg.rg_kwargs)
+    assert seen & {p.prompt for p in drawn}  # what the dedup removes: the draws do collide
+    assert 0 < len(held) <= 30 and not seen & {p.prompt for p in held}
+    assert len({p.prompt for p in held}) == len(held)  # and no question twice among them
+    # a real model has no SFT data: only the pool is held out from, and the split stays as large
+    pool_hf, held_hf = load_problems(dataclasses.replace(cfg, model="some/model"))
+    assert not {p.prompt for p in pool_hf} & {p.prompt for p in held_hf}
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--task=reasoning_gym:chain_summ"], "'chain_summ' (did you mean chain_sum"),
+    (["--task=reasoning_gym:chain_sum", "--rg_kwargs={'max_term': 3}"],
+     "'max_term' (did you mean 'max_terms'"),
+    (["--task=reasoning_gym:chain_sum", "--rg_kwargs={'min_terms': 5, 'max_terms': 2}"], "max_terms must be"),
+    (["--task=reasoning_gym:chain_sum", "--rg_kwargs={'size': 10}"], "may not set size"),
+    (["--task=gsm8k", "--rg_kwargs={'min_terms': 2}"], "'rg_kwargs' must be empty"),
+    (["--task=reasoning-gym:chain_sum"], "or reasoning_gym:<name>"),
+])
+def test_config_refuses_unknown_names_and_settings_at_parse(args, named):
+    with pytest.raises(ValueError, match="config key '(task|rg_kwargs)'") as err:
+        parse_config(args + ["--model=some/model"])
+    assert named in str(err.value)
+
+
+def test_config_file_and_command_line_give_rg_kwargs_as_a_dict(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text('model = "m"\ntask = "reasoning_gym:countdown"\n'
+                    'rg_kwargs = {"min_numbers": 3, "max_numbers": 4}\n')
+    assert parse_config([str(path)]).rg_kwargs == {"min_numbers": 3, "max_numbers": 4}
+    cfg = parse_config([str(path), "--rg_kwargs={'max_target': 500}"])
+    assert cfg.rg_kwargs == {"max_target": 500}
+    with pytest.raises(ValueError, match="rg_kwargs' wants dict"):
+        parse_config([str(path), "--rg_kwargs=3"])
+    with pytest.raises(ValueError, match="needs model="):  # the tiny model has no teacher yet
+        parse_config(["--task=reasoning_gym:countdown"])
+
+
+def test_a_row_without_an_answer_is_skipped_and_counted(monkeypatch):
+    real = rg.create_dataset
+
+    def holed(name, **kw):
+        items = list(real(name, **kw))
+        items[1] = {**items[1], "answer": None}
+        return items
+
+    monkeypatch.setattr(rg, "create_dataset", holed)
+    with pytest.warns(UserWarning, match=r"reasoning_gym:chain_sum: skipped 1 of 4 malformed rows: "
+                                         r"missing 'answer': 1"):
+        ps = make_reasoning_gym("chain_sum", 4, seed=0)
+    assert [p.meta["index"] for p in ps] == [0, 2, 3]
+    monkeypatch.setattr(rg, "create_dataset", real)
+    with pytest.raises(ValueError, match="reasoning_gym:graph_color: skipped 3 of 3"):  # no references
+        make_reasoning_gym("graph_color", 3, seed=0)
+
+
+def test_a_scorer_that_raises_or_hangs_scores_0_and_loses_nothing_else(problems, cascade):
+    good = problems["chain_sum"][0]
+    broken = Problem("q", "7", "reasoning_gym", {"rg_name": "chain_sum", "entry": {}})  # no "answer"
+    cd = problems["countdown"][0]
+    batch = [(good, f"#### {good.answer}"), (broken, "#### 8"), (good, "#### 123456789"),
+             (cd, "#### 9**9**9**9"),  # countdown's scorer evaluates it: never returns
+             (cd, f"#### ({cd.answer})")]
+    res = cascade.score_batch([p for p, _ in batch], [t for _, t in batch])
+    assert res.rewards == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert res.stages == ["exact", "verify", "verify", "verify", "verify"]
+    assert (res.errors, res.timeouts) == (1, 1)
+    assert "verify: error: reasoning-gym chain_sum: KeyError: 'answer'" in res.notes
+    assert "verify: timeout" in res.notes
+
+
+def test_the_countdown_recipe_parses_and_builds_its_task_offline():
+    path = os.path.join(ROOT, "configs", "countdown_qwen3.py")
+    with open(path) as f:
+        text = f.read()
+    assert text.splitlines()[0] == "# python train.py configs/countdown_qwen3.py"
+    assert "not yet run" in text
+    cfg = parse_config([path, "--n_train=12", "--n_eval=6"])
+    assert cfg.model.startswith("Qwen/Qwen3-") and cfg.task == "reasoning_gym:countdown"
+    pool, held = load_problems(cfg)  # the problems only: the model is not loaded
+    assert (len(pool), len(held)) == (12, 6) and not {p.prompt for p in pool} & {p.prompt for p in held}
+    for p in pool + held:
+        meta = p.meta["entry"]["metadata"]
+        assert 3 <= len(meta["numbers"]) <= 4 and 10 <= meta["target"] <= 100
+        assert score_one(p, f"#### {p.answer}") == 1.0
