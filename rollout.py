@@ -100,8 +100,9 @@ sample of the dense policy, while most steps read only the pages a sparse budget
     5. Timings add draft_s, verify_s (its acceptance step included), drafted, accepted, verifies
        (row-verifies), verify_calls (forwards), acceptance = accepted / drafted and
        tokens_per_verify = (new_tokens - rows) / verifies (the first token is the prefill's).
-       pages_read counts both passes (the draft's selections, and every page of a row once per
-       verify); pages_dense is what dense decoding reads for the same tokens.
+       pages_read (and pages_read_layer) counts both passes (the draft's selections, and every
+       page of a row once per verify); pages_dense is what dense decoding reads for the same
+       tokens.
     6. Simplifications: k is fixed for the call; a verify writes up to k positions past the last
        token a row can keep (the pool holds max_new_tokens + k a row); MoE routes are not
        recorded (ro.experts is None); record_pages is refused. The verify's attention is plain
@@ -446,7 +447,7 @@ class Engine:
         cache = self._new_cache(groups, N)
         cache.routes = record_routes(None, 0)  # MoE routes: not recorded in this mode
         st = dict(draft_s=0.0, verify_s=0.0, drafted=0, accepted=0, verifies=0, verify_calls=0,
-                  draft_steps=0, pages_read=0, pages_dense=0)
+                  draft_steps=0, pages_read=0, pages_dense=0, draft_pages=0, verify_pages=0)
         t0 = time.perf_counter()
         logits, calls = self._prefill(cache, groups, N)
         t1 = time.perf_counter()
@@ -508,6 +509,7 @@ class Engine:
             cache.step = st["draft_steps"]  # draft steps count from 1: rescore_every's clock
             st["pages_read"] += (sum(cache.n_read) * sparse_layers
                                  + sum(cache.n_pages) * (L - sparse_layers))
+            st["draft_pages"] += sum(cache.n_pages)  # what a dense layer of the draft reads
             logits = self.model(cur[:, None], cache=cache)[:, -1]  # (B, V)
             cur, q = draft_sample(logits, self.temperature, self.top_p, gen)
             toks.append(cur)
@@ -524,6 +526,7 @@ class Engine:
         for r, n in zip(live, n0):
             cache.truncate(r, n)
         cache.begin_verify(live, drafts.shape[1] + 1)
+        st["verify_pages"] += sum(cache.n_pages)  # every layer reads them once
         st["pages_read"] += sum(cache.n_pages) * self.model.config.num_hidden_layers
         st["verifies"], st["verify_calls"] = st["verifies"] + len(live), st["verify_calls"] + 1
         return self.model(torch.cat([last[:, None], drafts], 1), cache=cache)
@@ -575,10 +578,18 @@ class Engine:
         every token), the timings of `_generate` plus the draft's and the verify's."""
         t0, t1, t2 = times
         drafted, new = st["drafted"], sum(len(o) for o in out)
+        # per layer, both passes: the draft's selections (counted in the cache, averaged over KV
+        # heads) or every page in its dense layers, and every page once a verify
+        L = self.model.config.num_hidden_layers
+        dense_l = L if self.budget is None else min(L, self.dense_layers)
+        counted = (cache.read_layer.double() / cache.H).tolist()  # CPU-GPU sync point, once
+        read_layer = [st["verify_pages"] + (st["draft_pages"] if l < dense_l else counted[l])
+                      for l in range(L)]
         timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_calls": calls,
                    "prefill_tokens": sum(len(p) for p, _ in groups),
                    "prefill_tokens_naive": sum(len(p) * len(rows) for p, rows in groups),
                    "pages_read": st["pages_read"], "pages_dense": st["pages_dense"],
+                   "pages_read_layer": read_layer,
                    "pages_total": cache.num_pages, "pages_peak": cache.peak,
                    "pages_free_end": cache.num_pages - cache.used,
                    **{key: st[key] for key in ("draft_s", "verify_s", "drafted", "accepted",

@@ -112,6 +112,7 @@ def test_full_budget_accepts_everything_and_equals_dense_decoding():
                   **kw).generate(prompts, 3, seed=7)
     t = spec.timings
     assert t["acceptance"] == 1.0 and t["accepted"] == t["drafted"] > 0
+    assert sum(t["pages_read_layer"]) == t["pages_read"]  # counted in the cache: the same
     assert torch.equal(spec.tokens, dense.tokens)
     assert torch.allclose(spec.logp, dense.logp, atol=1e-5, rtol=0)
     # 12 tokens after the first: rounds of 5, the last one cut at max_new_tokens
