@@ -17,7 +17,7 @@ see only what the cheap ones let through:
               \\frac{1}{\\sqrt{2}}); the unit tests in the sandbox (sandbox.py) for code; for
               reasoning-gym the library's own score_answer(answer, item), the last stage: a
               countdown expression that makes the target another way scores 1, and its partial
-              credit stays (countdown 0.05 for the right numbers, gsm_symbolic 0.01 for a number)
+              credit stays (countdown 0.05 for an expression that misses, gsm_symbolic 0.01)
     5 judge   optional, a callable (prompt, completion, reference) -> float (a small model, a user
               function): a second look at what was rejected (judge_on="rejected") or a grade for
               what passed ("passed"); tasks with no verifier go to it directly
@@ -27,8 +27,8 @@ the truncated, errors and timeouts. `summary()` gives the short dict for the log
 or judge that raises, hangs or returns a non-number gives 0, is counted, and never stops the loop:
 math-verify and reasoning-gym's scorers run in a worker process killed at its deadline (math-verify
 hangs for good on 10^{10^{10^{10}}}, countdown's scorer on 9**9**9**9), the judge on a fixed pool
-of judge_workers threads; a judge score that is not
-finite or beyond +-1e6 (1e39 is inf in float32) is an error. `overlong_penalty` is DAPO's soft
+of judge_workers threads; a judge score that is not finite or beyond +-1e6 (1e39 is inf in
+float32) is an error. `overlong_penalty` is DAPO's soft
 overlong punishment, for the loop to add to the rewards.
 
 Simplifications:

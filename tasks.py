@@ -15,8 +15,9 @@ What is here:
                        are skipped with one warning that counts them and names the file and lines
     reasoning-gym      its procedural generators (chain_sum, countdown, gsm_symbolic, ... over
                        100), offline; each item keeps its entry for the library's score_answer
-    load_problems / encode_pool   a config's pool and held-out set (synthetic: disjoint from the
-                       pool and the warm start's SFT data by prompt), and their token ids
+    load_problems / encode_pool   a config's pool and held-out set (synthetic, reasoning-gym:
+                       disjoint from the pool and the warm start's SFT data by prompt), and their
+                       token ids
 How an answer is read back and compared with the reference is answers.py's.
 
 reasoning-gym tasks: `task="reasoning_gym:<name>"`, the generator's settings in `rg_kwargs`
@@ -44,7 +45,8 @@ Simplifications:
        For the character tokenizer, items that use a character it lacks (gsm_symbolic's "€") are
        skipped and counted the same way; the real models' tokenizers take any text.
 
-`python -m pytest -q tests/test_prompts.py tests/test_data.py` checks the task and the loaders.
+`python -m pytest -q tests/test_prompts.py tests/test_data.py tests/test_reasoning_gym.py` checks
+the tasks and the loaders.
 """
 from __future__ import annotations
 
