@@ -7,7 +7,7 @@ What is held per bin (config key kv_hold):
     position  Sparrow's: the 5th percentile (kv_quantile) of the per-position alpha >= kv_target
     rollout   the rollout-level figure: each rollout's summed TV, sum_t (1 - alpha_t), the expected
               number of positions at which sparse and dense sampling part. Per bin, the tail rate
-              of TV over the rollouts, scaled to a rollout of mean length (sparsity.tv_bin_stats),
+              of TV over the rollouts, scaled to a rollout of mean length (tv_bin_stats),
               <= kv_tv_target. On long exact chains this is the one that sees a failure: a mean
               1 - alpha of 0.009 over 1,000 tokens is 9 partings a rollout while p5 stays high.
 
@@ -24,10 +24,12 @@ What is here:
                       holds
     calibrate_engine  calibrate on a real model: sparse rollouts, a dense forward over the same
                       tokens, p5 alpha per bin
-    Controller        online: each step's p5 per bin raises a failing bin at once and lowers a calm
-                      one slowly
-    observe           one step's tail (mean and p5 alpha, overall and per bin) for the log, and the
-                      controller's move
+    tv_bin_stats      the rollout-level figure per bin (each rollout's summed TV, its tail)
+    read_fraction     the pages decode really read, per layer and per bin of cached length
+    Controller        online: each step's held figure per bin raises a failing bin at once and
+                      lowers a calm one slowly
+    observe           one step's tail (mean and p5 alpha, overall and per bin; the rollout TV
+                      beside it) for the log, and the controller's move
     kv_budget         the engine's budget from config key kv_budget (dense, fraction, fixed, table,
                       schedule file, or the sweep at the start of the run)
     main              the CLI above: build the policy the run would start from, sweep, write the
@@ -54,7 +56,7 @@ from config import cli, parse_config
 from parallel import setup_dist
 from rollout import Engine
 from sparsity import (alpha_k, bin_index, bin_stats, dense_alpha, fixed_budget,
-                      fraction_budget, read_fraction, tv_bin_stats)
+                      fraction_budget)
 from tasks import encode_pool, load_problems
 from warmstart import build_policy
 
@@ -206,7 +208,7 @@ def sparse_tail(model, tokenizer, prompt_ids, schedule, n_bins, group_size=1, se
     """One sparse rollout of `prompt_ids` at `schedule` -> (the rollout, the held figure in each
     of `n_bins` bins, NaN where a bin has fewer than `min_count` tokens): the q-quantile of
     Sparrow's per-position alpha (hold "position"), or the rollout-level TV of
-    sparsity.tv_bin_stats (hold "rollout"). alpha is taken against a dense full forward
+    tv_bin_stats (hold "rollout"). alpha is taken against a dense full forward
     (dense_alpha: exact over a small vocabulary, else from the top-`topk` lists: sparsity.alpha_k);
     engine_kw go to rollout.Engine."""
     engine = Engine(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -245,6 +247,70 @@ def calibrate_engine(model, tokenizer, prompt_ids, candidates, bin_pages, n_bins
 
     table = calibrate(measure, n_bins, candidates, threshold, hold=hold)
     return Schedule(table, bin_pages, threshold, min_pages=min_pages, hold=hold)
+
+
+# ------------------------------------------------ the held figures: rollout TV, pages read per bin
+
+
+def tv_bin_stats(alpha, pages, rows, bin_pages, n_bins=None, q=0.05):
+    """The rollout-level statistic per bin of cached length, in the units a Schedule holds.
+
+    alpha, pages, rows (M,) flat: each generated token's alpha, the pages cached at its step and
+    the rollout it belongs to (any ids). For each bin b, over the rollouts that have tokens in it:
+    the rollout's TV rate there, sum_{t in b} (1 - alpha_t) / n_b, and its (1 - q)-quantile (the
+    tail, 95th percentile at q = 0.05), scaled by the mean rollout length: "held", the summed TV a
+    rollout of mean length would carry if every bin were at this bin's tail rate. Holding every
+    bin's "held" at a target holds the rollouts' summed TV near it, bin by bin, which is what lets
+    the per-bin Controller and calibration hold a rollout-level figure.
+    -> {"count": tokens (n_bins,), "rollouts": rollouts with tokens (n_bins,), "held" (n_bins,),
+    NaN where empty; "tv" (R,) each rollout's summed TV; "tv_tail" its (1 - q)-quantile; "tv_mean";
+    "len_mean"}."""
+    if not alpha.shape == pages.shape == rows.shape or alpha.dim() != 1:
+        raise ValueError(f"tv_bin_stats: alpha {tuple(alpha.shape)}, pages {tuple(pages.shape)} "
+                         f"and rows {tuple(rows.shape)} must be one flat shape")
+    _, r = torch.unique(rows.cpu(), return_inverse=True)  # rollout ids -> 0..R-1
+    R, tv = int(r.max()) + 1 if r.numel() else 0, (1 - alpha.float().cpu())
+    b = (pages.cpu().long() // bin_pages)
+    n_bins = n_bins or (int(b.max()) + 1 if b.numel() else 1)
+    b = b.clamp(max=n_bins - 1)
+    cell = r * n_bins + b  # (rollout, bin) of every token
+    tv_cell = torch.zeros(R * n_bins).index_add_(0, cell, tv).view(R, n_bins)
+    n_cell = torch.bincount(cell, minlength=R * n_bins).view(R, n_bins)
+    total, lens = tv_cell.sum(1), n_cell.sum(1).float()
+    held = torch.full((n_bins,), float("nan"))
+    for j in range(n_bins):
+        here = n_cell[:, j] > 0
+        if here.any():
+            rate = tv_cell[here, j] / n_cell[here, j]
+            held[j] = rate.quantile(1 - q) * lens.mean()
+    nan = torch.tensor(float("nan"))
+    return {"count": n_cell.sum(0), "rollouts": (n_cell > 0).sum(0), "held": held, "tv": total,
+            "tv_tail": total.quantile(1 - q) if R else nan, "tv_mean": total.mean() if R else nan,
+            "len_mean": lens.mean() if R else nan}
+
+
+def read_fraction(budget, dense, mask, bin_pages, n_layers, dense_layers, n_bins=None):
+    """What decode really read, per layer and per bin of cached length, from a rollout's per-token
+    counts: budget (N, T) pages each sparse layer read at a token's step (ro.budget, the clamped
+    budget: the selection reads exactly that many, kept pages included), dense (N, T) pages cached
+    (ro.budget_dense). The first `dense_layers` of `n_layers` read every page.
+    A row's first token comes from prefill, not from a decode step: it is left out, as the
+    engine's own counts (ro.timings pages_read, pages_dense) leave it out.
+    -> {"layers": (n_layers,) fraction read, "bins": (n_bins,) fraction over all layers, "all"}."""
+    m = mask.bool().clone()
+    m[:, 0] = False
+    rd, dn = budget[m].double(), dense[m].double()
+    b = (dn.long() // bin_pages)
+    n_bins = n_bins or (int(b.max()) + 1 if b.numel() else 1)
+    b = b.clamp(max=n_bins - 1)
+    sparse = n_layers - dense_layers
+    per_tok = (rd * sparse + dn * dense_layers) / n_layers  # pages a layer reads, on average
+    num = torch.zeros(n_bins, dtype=torch.double).index_add_(0, b, per_tok)
+    den = torch.zeros(n_bins, dtype=torch.double).index_add_(0, b, dn)
+    sp = (rd.sum() / dn.sum()).item() if dn.sum() > 0 else float("nan")
+    layers = [1.0] * dense_layers + [sp] * sparse
+    return {"layers": layers, "bins": (num / den).tolist(),
+            "all": (per_tok.sum() / dn.sum()).item() if dn.sum() > 0 else float("nan")}
 
 
 # ---------------------------------------------------------------- the controller: online correction
@@ -369,7 +435,7 @@ def observe(alpha, pages, bin_pages, schedule=None, controller=None, q=0.05, row
 
 def read_figures(ro, bin_pages, n_layers, dense_layers):
     """The pages a rollout's decode really read, for the log: per layer (counted in the cache)
-    and per bin of cached length (sparsity.read_fraction over its tokens), as fractions of
+    and per bin of cached length (read_fraction over its tokens), as fractions of
     dense."""
     t = ro.timings
     per_layer = t["pages_dense"] / n_layers

@@ -108,10 +108,14 @@ class Config:
     kv_controller: bool = False
     # what calibration and the controller hold: "position", Sparrow's per-position tail (the
     # kv_quantile of alpha per bin >= kv_target), or "rollout", each rollout's summed TV
-    # sum_t (1 - alpha_t), its (1 - kv_quantile) tail held <= kv_tv_target (sparsity.tv_bin_stats)
+    # sum_t (1 - alpha_t), its (1 - kv_quantile) tail held <= kv_tv_target (calibrate.tv_bin_stats)
     kv_hold: str = "position"
     kv_target: float = 0.86  # Sparrow's threshold for the 5th percentile of alpha in each bin
     kv_tv_target: float = 0.5  # kv_hold=rollout: expected parting positions, per rollout's tail
+    # sparse: sample from the (sparse-KV) rollout engine, lossy, measured and IS-corrected;
+    # speculative: the sparse-KV policy drafts spec_k tokens, the dense one verifies: exact samples
+    rollout_mode: str = "sparse"
+    spec_k: int = 8
     # the quantile of alpha that calibration and the controller hold at kv_target (Sparrow: 0.05);
     # lower sees rarer mismatched positions, which decide an exact chain of thousands of tokens
     kv_quantile: float = 0.05
@@ -279,12 +283,13 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "autocast": ("none", "bfloat16"),
            "order": ("defined", "shuffled", "marked", "lagged"),
            "kv_scorer": ("centroid", "quest", "oracle"), "kv_hold": ("position", "rollout"),
+           "rollout_mode": ("sparse", "speculative"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
            "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
            "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update")}
 POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head",
             "n_kv_head", "ffn", "moe_ffn", "prompts_per_step", "max_new_tokens", "page_size",
-            "kv_bin_pages", "kv_rescore_every",
+            "kv_bin_pages", "kv_rescore_every", "spec_k",
             "calib_prompts", "distill_lr", "judge_timeout_s", "alpha_topk", "grad_clip", "passes",
             "minibatches", "micro_batch", "lora_alpha", "is_cap", "adv_eps", "eval_every",
             "save_every", "max_skipped")
@@ -350,13 +355,6 @@ def check(cfg):
         raise ValueError("config keys: want lora_dropout < 1, clip_low < 1 and mis_low < mis_high")
     if cfg.overlong_buffer >= cfg.max_new_tokens:
         raise bad("overlong_buffer", f"smaller than max_new_tokens ({cfg.max_new_tokens})")
-    floor = cfg.kv_keep_first + cfg.kv_keep_recent
-    if not cfg.kv_candidates or min(cfg.kv_candidates) < max(1, floor):
-        raise bad("kv_candidates", f"page counts >= {max(1, floor)}: every step reads the "
-                                   f"kv_keep_first + kv_keep_recent = {floor} kept pages, so a "
-                                   f"smaller candidate would read the same as {floor}")
-    if not cfg.kv_tv_target > 0:
-        raise bad("kv_tv_target", "> 0")
     # nmN:M also needs 0 < N <= M, which the pattern cannot say
     plan = cfg.rollout_copy.endswith(".json")
     if plan and not os.path.isfile(cfg.rollout_copy):
@@ -398,6 +396,12 @@ def check_kv_budget(cfg):
                          f"fixed:N, table:N1,N2,..., schedule:PATH or calibrate, "
                          f"got {cfg.kv_budget!r}")
     floor = cfg.kv_keep_first + cfg.kv_keep_recent  # pages every sparse step reads anyway
+    if not cfg.kv_candidates or min(cfg.kv_candidates) < max(1, floor):
+        raise ValueError(f"config key 'kv_candidates' must be page counts >= {max(1, floor)}: "
+                         f"every step reads the kv_keep_first + kv_keep_recent = {floor} kept "
+                         f"pages, so a smaller candidate would read the same as {floor}")
+    if not cfg.kv_tv_target > 0:
+        raise ValueError("config key 'kv_tv_target' must be > 0")
     small = [(i, int(x)) for i, x in enumerate(arg.split(","))
              if int(x) < floor] if kind in ("table", "fixed") else []
     if small:
@@ -406,6 +410,10 @@ def check_kv_budget(cfg):
                          f"{cfg.kv_keep_first} + kv_keep_recent {cfg.kv_keep_recent}, the partial "
                          f"page among them), so they would read {floor}: raise them, or lower "
                          f"kv_keep_recent")
+    if cfg.rollout_mode == "speculative" and (kind == "dense" or cfg.distill_r):
+        raise ValueError("config key 'rollout_mode': speculative needs a sparse kv_budget for the "
+                         "draft (dense drafts would all be accepted, at twice the cost), and no "
+                         "distill_r yet")
     if cfg.kv_controller and kind not in ("table", "schedule", "calibrate"):
         raise ValueError("config key 'kv_controller' needs a table budget "
                          "(kv_budget=table:N1,N2,..., schedule:PATH or calibrate)")

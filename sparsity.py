@@ -49,6 +49,9 @@ sampled position, and its thresholds (p5 >= 0.86 per bin) are defined on that.
                                           threshold
     bin_stats(alpha, ro.mask, ro.budget_dense, schedule.bin_pages)
                                           count, mean, p5 per bin of cached length
+    rollout_tv(alpha, ro.mask)            each rollout's summed TV, sum_t (1 - alpha_t): the
+                                          expected positions where sparse and dense part, what
+                                          decides an exact chain (calibrate.tv_bin_stats bins it)
     dense_logprobs(model, prompt_ids, ro) the dense side's sampled-token log-probs alone
 Collapse shows in the tail, not the mean: Sparrow keeps the 5th percentile per 2,048-token bin above
 0.86. The budget schedule that holds that tail, its calibration sweep and its online controller are
@@ -307,67 +310,6 @@ def rollout_tv(alpha, mask):
     alpha, mask (N, T) -> (N,). An exact chain fails at its first wrong token, so this, not a
     per-position quantile, is what decides whether a sparse rollout is still the dense one's."""
     return ((1 - alpha.float()) * mask.float()).sum(1)
-
-
-def tv_bin_stats(alpha, pages, rows, bin_pages, n_bins=None, q=0.05):
-    """The rollout-level statistic per bin of cached length, in the units a Schedule holds.
-
-    alpha, pages, rows (M,) flat: each generated token's alpha, the pages cached at its step and
-    the rollout it belongs to (any ids). For each bin b, over the rollouts that have tokens in it:
-    the rollout's TV rate there, sum_{t in b} (1 - alpha_t) / n_b, and its (1 - q)-quantile (the
-    tail, 95th percentile at q = 0.05), scaled by the mean rollout length: "held", the summed TV a
-    rollout of mean length would carry if every bin were at this bin's tail rate. Holding every
-    bin's "held" at a target holds the rollouts' summed TV near it, bin by bin, which is what lets
-    the per-bin Controller and calibration hold a rollout-level figure.
-    -> {"count": tokens (n_bins,), "rollouts": rollouts with tokens (n_bins,), "held" (n_bins,),
-    NaN where empty; "tv" (R,) each rollout's summed TV; "tv_tail" its (1 - q)-quantile; "tv_mean";
-    "len_mean"}."""
-    if not alpha.shape == pages.shape == rows.shape or alpha.dim() != 1:
-        raise ValueError(f"tv_bin_stats: alpha {tuple(alpha.shape)}, pages {tuple(pages.shape)} "
-                         f"and rows {tuple(rows.shape)} must be one flat shape")
-    _, r = torch.unique(rows.cpu(), return_inverse=True)  # rollout ids -> 0..R-1
-    R, tv = int(r.max()) + 1 if r.numel() else 0, (1 - alpha.float().cpu())
-    b = (pages.cpu().long() // bin_pages)
-    n_bins = n_bins or (int(b.max()) + 1 if b.numel() else 1)
-    b = b.clamp(max=n_bins - 1)
-    cell = r * n_bins + b  # (rollout, bin) of every token
-    tv_cell = torch.zeros(R * n_bins).index_add_(0, cell, tv).view(R, n_bins)
-    n_cell = torch.bincount(cell, minlength=R * n_bins).view(R, n_bins)
-    total, lens = tv_cell.sum(1), n_cell.sum(1).float()
-    held = torch.full((n_bins,), float("nan"))
-    for j in range(n_bins):
-        here = n_cell[:, j] > 0
-        if here.any():
-            rate = tv_cell[here, j] / n_cell[here, j]
-            held[j] = rate.quantile(1 - q) * lens.mean()
-    nan = torch.tensor(float("nan"))
-    return {"count": n_cell.sum(0), "rollouts": (n_cell > 0).sum(0), "held": held, "tv": total,
-            "tv_tail": total.quantile(1 - q) if R else nan, "tv_mean": total.mean() if R else nan,
-            "len_mean": lens.mean() if R else nan}
-
-
-def read_fraction(budget, dense, mask, bin_pages, n_layers, dense_layers, n_bins=None):
-    """What decode really read, per layer and per bin of cached length, from a rollout's per-token
-    counts: budget (N, T) pages each sparse layer read at a token's step (ro.budget, the clamped
-    budget: the selection reads exactly that many, kept pages included), dense (N, T) pages cached
-    (ro.budget_dense). The first `dense_layers` of `n_layers` read every page.
-    A row's first token comes from prefill, not from a decode step: it is left out, as the
-    engine's own counts (ro.timings pages_read, pages_dense) leave it out.
-    -> {"layers": (n_layers,) fraction read, "bins": (n_bins,) fraction over all layers, "all"}."""
-    m = mask.bool().clone()
-    m[:, 0] = False
-    rd, dn = budget[m].double(), dense[m].double()
-    b = (dn.long() // bin_pages)
-    n_bins = n_bins or (int(b.max()) + 1 if b.numel() else 1)
-    b = b.clamp(max=n_bins - 1)
-    sparse = n_layers - dense_layers
-    per_tok = (rd * sparse + dn * dense_layers) / n_layers  # pages a layer reads, on average
-    num = torch.zeros(n_bins, dtype=torch.double).index_add_(0, b, per_tok)
-    den = torch.zeros(n_bins, dtype=torch.double).index_add_(0, b, dn)
-    sp = (rd.sum() / dn.sum()).item() if dn.sum() > 0 else float("nan")
-    layers = [1.0] * dense_layers + [sp] * sparse
-    return {"layers": layers, "bins": (num / den).tolist(),
-            "all": (per_tok.sum() / dn.sum()).item() if dn.sum() > 0 else float("nan")}
 
 
 @torch.no_grad()

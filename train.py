@@ -53,17 +53,16 @@ from tqdm import tqdm
 
 import copies
 import parallel
-from calibrate import Controller, Schedule, kv_budget, observe, read_figures
 from checkpoint import load_checkpoint, save_checkpoint
 from config import cli, parse_config
-from distill import DistillSparse
 from model import add_lora
 from moe import moe_layers, replay_batch
 from prompts import group_has_signal, make_sampler, refill_size
 from report import by_difficulty, examples, plot, step_lines, summary
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
-from sparsity import MaskedParams, alpha_k, apply_nm, dense_alpha
+from sparse_rollout import SparseRollout
+from sparsity import MaskedParams, apply_nm
 from sync import Receiver, Sender, send_local
 from tasks import encode_pool, load_problems
 from update import batch_from_groups, lr_at, pg_loss, replay_mismatch, train_on
@@ -77,8 +76,7 @@ class Run:
     dev: torch.device
     model: torch.nn.Module  # the policy being trained (sharded under FSDP)
     tok: object
-    rollout_model: torch.nn.Module  # what generates: the policy, a cheaper copy, DistillSparse's
-    engine: Engine  # rollouts, possibly sparse
+    sparse: SparseRollout  # stage 2's budget, controller, DistillSparse, dense comparison, mode
     greedy: Engine  # held-out evaluation, dense, on the full policy
     cascade: Cascade
     opt: torch.optim.Optimizer
@@ -87,13 +85,8 @@ class Run:
     train_ids: list  # token ids of the training pool
     eval_p: list  # held-out problems, and their ids
     eval_ids: list
-    measure: bool  # the rollout can differ from the policy (sparse, a copy): alpha every step
     replica: torch.nn.Module = None  # FSDP: the full-weight copy that the engines read
     ref_model: torch.nn.Module = None  # kl_coef > 0: the frozen reference policy
-    schedule: Schedule = None  # table KV budgets: the engine reads this object...
-    controller: Controller = None  # ...and this edits it, so its moves apply from the next step
-    distill: DistillSparse = None  # distill_r > 0: the rollout-only adapter
-    dense_engine: Engine = None  # kv_compare_every > 0: dense, for the in-run speed comparison
     sender: object = None  # disaggregated: stage 5's ends (a Sender on trainer 0, Receivers)
     receiver: object = None
     masked: MaskedParams = None  # nm: the policy's fixed N:M masks (only active weights train)
@@ -123,32 +116,9 @@ def build(cfg, rank, world, dev, role, log):
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     replica = parallel.shard(cfg, model, dev) if cfg.fsdp else None
     full = replica or model  # full weights: what the engines read
-    table = os.path.join(cfg.out_dir, "kv_schedule.json")
-    if cfg.resume and cfg.kv_budget == "calibrate" and os.path.exists(table):  # calibrated once
-        budget = kv_budget(dataclasses.replace(cfg, kv_budget=f"schedule:{table}"), log=log)
-    else:
-        budget = kv_budget(cfg, full, tok, train_ids, log, rank)
-    distill = DistillSparse.for_run(cfg, full, budget, world) if cfg.distill_r else None
-    rollout_model = (distill.model if distill is not None
-                     else copies.rollout_model_for(cfg, full, train_ids))
-    log(f"rollout copy: {copies.describe_copy(rollout_model)}"
-        + (f", plus a DistillSparse adapter of rank {cfg.distill_r}" if distill else ""))
+    sparse = SparseRollout.for_run(cfg, full, tok, train_ids, log, rank, world)  # stage 2
     model.eval()  # dropout only in the training forwards (update.train_on turns it on and off)
-    measure = bool(budget) or rollout_model is not full  # a rollout that can differ from the policy
-    topk = alpha_k(model.config.vocab_size, cfg.alpha_topk) if measure else 0  # what alpha needs
-    stop = [cfg.stop] if cfg.stop else []
-    gen = dict(tokenizer=tok, max_new_tokens=cfg.max_new_tokens, stop=stop)
-    kv = dict(temperature=cfg.temperature, top_p=cfg.top_p, page_size=cfg.page_size,
-              scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers,
-              rescore_every=cfg.kv_rescore_every, keep_first=cfg.kv_keep_first,
-              keep_recent=cfg.kv_keep_recent)
-    engine = Engine(rollout_model, sparse=budget, record_pages=distill is not None,
-                    topk_logprobs=topk, **gen, **kv)
-    dense_engine = Engine(rollout_model, **gen, **kv) if cfg.kv_compare_every and budget else None
-    schedule = budget if isinstance(budget, Schedule) else None
-    target = cfg.kv_target if cfg.kv_hold == "position" else cfg.kv_tv_target
-    controller = (Controller(schedule, target=target, hold=cfg.kv_hold) if cfg.kv_controller
-                  else None)
+    gen = dict(tokenizer=tok, max_new_tokens=cfg.max_new_tokens, stop=[cfg.stop] if cfg.stop else [])
     greedy = Engine(full, temperature=0.0, **gen)  # held-out accuracy is the policy's own
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
@@ -156,13 +126,13 @@ def build(cfg, rank, world, dev, role, log):
     amp = torch.autocast(dev.type, torch.bfloat16, enabled=cfg.autocast == "bfloat16")
     cascade = Cascade(max_chars=cfg.max_chars or None, math_verify=cfg.math_verify,
                       judge=load_judge(cfg.judge), judge_timeout_s=cfg.judge_timeout_s)
-    ships_copy = cfg.rollout_copy == "bf16" and not cfg.lora_r and distill is None
-    sender, receiver = parallel.shipper(model, role, rollout_model if ships_copy else None)
+    ships_copy = cfg.rollout_copy == "bf16" and not cfg.lora_r and sparse.distill is None
+    roll = sparse.rollout_model
+    sender, receiver = parallel.shipper(model, role, roll if ships_copy else None)
     if ships_copy and not role.split:  # colocated: the copy follows by bf16 deltas too (counted)
-        sender, receiver = Sender(full, dtype=torch.bfloat16, synced=True), Receiver(rollout_model)
-    return Run(role, world, dev, model, tok, rollout_model, engine, greedy, cascade, opt, sampler,
-               amp, train_ids, eval_p, eval_ids, measure, replica, ref_model, schedule, controller,
-               distill, dense_engine, sender, receiver, masked, ships_copy)
+        sender, receiver = Sender(full, dtype=torch.bfloat16, synced=True), Receiver(roll)
+    return Run(role, world, dev, model, tok, sparse, greedy, cascade, opt, sampler, amp, train_ids,
+               eval_p, eval_ids, replica, ref_model, sender, receiver, masked, ships_copy)
 
 
 def main(argv):
@@ -192,7 +162,7 @@ def train(cfg, run, rank, log):
     ranks agree."""
     start, history = 0, {"records": [], "acc0": None, "start": {}, "examples": []}
     # checkpointed with the policy: what else a resumed run must find as it was
-    extra = {"schedule": run.schedule, "controller": run.controller, "distill": run.distill}
+    extra = run.sparse.extra
     if cfg.resume:
         start, history = load_checkpoint(cfg, run.model, run.opt, run.sampler, run.dev, extra)
         refresh_rollout(cfg, run)  # the copy was made from the weights before the checkpoint
@@ -250,8 +220,8 @@ def train(cfg, run, rank, log):
     held = run.replica or run.model
     if run.ships_copy and run.role.split:  # the rollout ranks hold only the bf16 copy: compare
         if run.role.trains:  # it with the trainers' copies, made by a local refresh
-            copies.refresh(run.rollout_model, held, cfg.lora_r)
-        held = run.rollout_model
+            copies.refresh(run.sparse.rollout_model, held, cfg.lora_r)
+        held = run.sparse.rollout_model
     history["checksums"] = parallel.check_ranks_agree(held, run.world, log)
     if rank == 0:
         log(summary(history, time.perf_counter() - t_start, cfg.group_size))
@@ -290,7 +260,7 @@ def collect(cfg, step, run):
     n_local = max(1, cfg.prompts_per_step // n)
     t_start = time.perf_counter()
     kept, results, rec = [], [], {"gen_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "tries": 0}
-    lens, finish_length, rewards_all, zone, zero_adv, alphas = [], 0, [], [], 0, []
+    lens, finish_length, rewards_all, zone, zero_adv = [], 0, [], [], 0
     n_draw, drawn, signals = n_local, 0, 0  # per rank this try; drawn, with spread: all ranks
     for t in range(1 + (cfg.refill_tries if cfg.dynamic_sampling else 0)):
         batch = run.sampler.next_batch(n_draw * n, refill=t > 0)  # stage 1: every rank the same...
@@ -298,31 +268,22 @@ def collect(cfg, step, run):
         zone.append(run.sampler.stats().get("zone", float("nan")))
         t0, seed = time.perf_counter(), rollout_seed(cfg.seed, step, t, me)
         prompt_ids = [run.train_ids[i] for i, _ in batch]
-        ro = run.engine.generate(prompt_ids, G, seed=seed)  # stage 2
+        ro = run.sparse.engine.generate(prompt_ids, G, seed=seed)  # stage 2
         rec["gen_s"] += time.perf_counter() - t0
         if t == 0 and ro.experts is not None and run.role.trains:  # MoE: routing vs the trainer's
             rec.update(replay_mismatch(run.replica or run.model, prompt_ids, ro, cfg.temperature,
-                                       cfg.micro_batch, run.engine.pad_id))
+                                       cfg.micro_batch, run.sparse.engine.pad_id))
         for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense"):
             rec[k] = rec.get(k, 0) + ro.timings[k]
-        if run.measure:  # every row, before dynamic sampling drops any: a collapse shows here
-            t0 = time.perf_counter()
-            # a rollout rank that holds only the bf16 copy: against the copy's own dense decode
-            ref = (run.rollout_model if run.ships_copy and run.role.split
-                   else run.replica or run.model)
-            a = dense_alpha(ref, prompt_ids, ro, cfg.temperature, cfg.micro_batch)
-            rows = torch.arange(len(ro))[:, None].expand(ro.mask.shape)[ro.mask]
-            alphas.append((a[ro.mask], ro.budget_dense[ro.mask].long(),
-                           rows + (t * n + me) * 2**20))  # a label per rollout, on every rank
-            if t == 0 and run.engine.budget is not None:
-                L = run.engine.model.config.num_hidden_layers
-                rec.update(read_figures(ro, cfg.kv_bin_pages, L, cfg.dense_layers))
-            rec["alpha_s"] = rec.get("alpha_s", 0.0) + time.perf_counter() - t0
         res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts,
                                       group_size=G, finish=ro.finish)  # stage 3: cut rows score 0
         results.append(res)
-        if t == 0 and run.dense_engine is not None and step % cfg.kv_compare_every == 0:
-            rec.update(compare_dense(cfg, run, ro, batch, prompt_ids, seed, res.rewards))
+        # a rollout rank that holds only the bf16 copy measures against its own dense decode
+        ref = (run.sparse.rollout_model if run.ships_copy and run.role.split
+               else run.replica or run.model)
+        for k, v in run.sparse.after_rollout(step, t, ro, batch, prompt_ids, seed, res.rewards,
+                                             run.cascade, ref, me, n).items():
+            rec[k] = rec.get(k, 0.0) + v if k == "alpha_s" else v
         r = torch.tensor(res.rewards, dtype=torch.float32)
         if cfg.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifier's reward
             r += torch.tensor(overlong_penalty(ro.mask.sum(1).tolist(), cfg.max_new_tokens,
@@ -357,41 +318,13 @@ def collect(cfg, step, run):
                zero_adv_groups=sum(parallel.gather(zero_adv, n, group)), rollouts=len(rew) * n,
                finish_length=finish_length / len(rew), zone=sum(zone) / len(zone),
                **combine(results).summary(), collect_s=time.perf_counter() - t_start)
-    if run.measure:  # Sparrow's tail over every rank's tokens; the controller moves the table
-        mine = [torch.cat(x) for x in zip(*alphas)]
-        a, pages, rows = (torch.cat(x) for x in zip(*parallel.gather(mine, n, group)))
-        rec.update(observe(a, pages, cfg.kv_bin_pages, run.schedule, run.controller,
-                           cfg.kv_quantile, rows))
+    rec.update(run.sparse.observe(n, group))  # the mismatch; the controller moves the table
     return kept, rec
 
 
 def rollout_seed(seed, step, try_, rank):
     """A distinct generator seed for every (run seed, step, refill try, rank): a 63-bit hash."""
     return hash((seed, step, try_, rank)) & (2**63 - 1)  # ints hash the same in every process
-
-
-def compare_dense(cfg, run, ro, batch, prompt_ids, seed, rewards):
-    """Paired fidelity, every kv_compare_every steps, on the dense engine (same weights):
-    - the same prompts with the same seed, scored by the same cascade: dense_reward, and
-      reward_gap = sparse - dense, the training signal the sparse rollout lost;
-    - the sparse rollout's own tokens decoded densely (Engine.generate(force=...)): the same rows
-      at the same lengths, so rollout_speedup (dense time / sparse time) times the same work, and
-      neither side is timed at a length the other does not reach."""
-    G = cfg.group_size
-    dense = run.dense_engine.generate(prompt_ids, G, seed=seed)
-    scored = run.cascade.score_batch([p for _, p in batch for _ in range(G)], dense.texts,
-                                     group_size=G, finish=dense.finish)
-    lens = ro.mask.sum(1).tolist()
-    forced = run.dense_engine.generate(prompt_ids, G, seed=seed,
-                                       force=[ro.tokens[i, :n].tolist() for i, n in enumerate(lens)])
-    secs = {k: x.timings["prefill_s"] + x.timings["decode_s"]
-            for k, x in (("dense", forced), ("sparse", ro))}
-    sparse_r, dense_r = sum(rewards) / len(rewards), sum(scored.rewards) / len(scored.rewards)
-    return {"dense_reward": dense_r, "reward_gap": sparse_r - dense_r,
-            "dense_len_mean": dense.mask.sum(1).float().mean().item(),
-            "dense_tok_s": forced.timings["new_tokens"] / max(1e-9, secs["dense"]),
-            "sparse_tok_s": ro.timings["new_tokens"] / max(1e-9, secs["sparse"]),
-            "rollout_speedup": secs["dense"] / max(1e-9, secs["sparse"])}
 
 
 def learn(cfg, run, kept):
@@ -401,19 +334,18 @@ def learn(cfg, run, kept):
     t0, rec = time.perf_counter(), {}
     drop = torch.cat([k[6] for k in kept]) if kept and cfg.overlong_filter else None  # cut rows
     ids, tmask, adv, roll = batch_from_groups(kept, run.train_ids, cfg.group_size,
-                                              run.engine.pad_id, cfg.adv_eps,
+                                              run.sparse.engine.pad_id, cfg.adv_eps,
                                               run.model.lm_head.weight.device, cfg.adv_norm, drop)
     routes = (replay_batch([k[7] for k in kept], [k[2] for k in kept], ids.shape).to(ids.device)
               if kept and kept[0][7] is not None else None)  # MoE: the rollout's experts
     out = train_on(cfg, run.model, run.opt, ids, tmask, adv, n, roll, group, run.ref_model,
-                   dense_dist=run.distill is not None, masked=run.masked, routes=routes)
+                   dense_dist=run.sparse.distill is not None, masked=run.masked, routes=routes)
     stats = out.pop("stats")  # loss sum, tokens, clipped, skipped, grad norm
     dense_full = out.pop("_dense_full", None)
-    if run.distill is not None and kept and dense_full is not None:  # rollout-only, toward dense
-        pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low,
-                                      cfg.clip_high)[0]
-        rec.update(run.distill.step_on(kept, [len(run.train_ids[k[0]]) for k in kept],
-                                       cfg.group_size, ids, tmask, dense_full, pg))
+    pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low,
+                                  cfg.clip_high)[0]  # DistillSparse's optional reward term
+    rec.update(run.sparse.after_update(kept, [len(run.train_ids[k[0]]) for k in kept], ids, tmask,
+                                       dense_full, pg))
     rec.update(out)
     if n > 1:
         torch.distributed.all_reduce(stats, group=group)
@@ -447,15 +379,14 @@ def refresh_rollout(cfg, run):
     """Re-derive what generates from the policy's new weights (nothing if the policy generates).
     A colocated bf16 copy takes a delta in bf16 instead (bit-exact with a refresh): -> its bytes."""
     full = run.replica or run.model
-    if run.distill is not None:  # DistillSparse: new base weights under the kept adapter
-        run.distill.refresh(full)
-    elif run.sender is not None and not run.role.split:
+    if run.sparse.refresh(full):  # DistillSparse: new base weights under the kept adapter
+        return {}
+    if run.sender is not None and not run.role.split:
         send_local(run.sender.make_update(), run.receiver)  # checks the copy's checksum
         st = run.sender.stats()
         return dict(sync_bytes=st["bytes"], sync_full_bytes=st["full_bytes"],
                     sync_ratio=st["ratio"], sync_changed=st["changed_fraction"])
-    else:
-        copies.refresh(run.rollout_model, full, cfg.lora_r)
+    copies.refresh(run.sparse.rollout_model, full, cfg.lora_r)
     return {}
 
 

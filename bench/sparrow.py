@@ -1,33 +1,45 @@
 """
 bench/sparrow.py: stage 2 in the loop, the miniature Sparrow experiment on the long-CoT config
-(configs/lagged.py: 1,000-1,800 generated tokens a rollout). Five training runs from one warm start,
-per seed:
-    (a) dense, (b) a fixed aggressive budget (FIXED pages a step), (c) the p5-held schedule
-    (calibrated at the start, then held by the controller), (d) (c) + DistillSparse, (e) (b) +
-    DistillSparse: what the adapter does to the tail at a budget that misses the threshold.
-Per arm, mean and standard deviation over the seeds: training reward, held-out accuracy, mean and p5
-alpha over all tokens, and per bin of cached length, the KV pages read, rollout time per token, and
-the in-run speedup (a dense rollout of the same prompts, same weights and seed, every 5 steps).
-Writes assets/sparrow.png (reward, accuracy and alpha per bin; mean over seeds, a band of one
-standard deviation).
+(configs/lagged.py: 1,000-1,800 generated tokens a rollout). Training runs from one warm start,
+per seed, one per arm:
+    (a) dense
+    (b) the floor: only the pages every step reads (1 sink + 2 recent pages of 64): the fastest
+        a lossy schedule can be here, the speed ceiling the other arms are measured against
+    (c) the per-position p5-held schedule (Sparrow's statistic: calibrated, then held)
+    (d), (e) the rollout-level-held schedule (each rollout's summed TV, its 95th percentile held
+        at TV_TARGETS[0] and [1]: the expected number of positions where sparse and dense part)
+    (f) (d) + DistillSparse
+    (g) (d) with the oracle scorer (the true attention mass per page): what the best possible
+        page ranking needs to hold the same target, the ceiling of any scorer
+    (h) speculative: the sparse policy drafts, the dense one verifies; exact dense samples
+Per arm, mean and standard deviation over the seeds: the read fraction actually read, the in-loop
+speedup at matched lengths (the dense engine decodes the sparse rollout's own tokens, every 5
+steps) and as a fraction of (b)'s, the paired reward gap (sparse minus dense on the same prompts
+and seed) at step 0 and at the end, held-out accuracy, p5 alpha and the rollout TV tail. Then the
+question the seeds leave open: over arms x seeds, which statistic predicts the held-out gap to the
+dense run of the same seed? Spearman's rank correlation of each (per-position p5, the rollout TV
+tail, the paired reward gap at step 0) with it. Writes assets/sparrow.png (reward, accuracy and
+alpha per bin; mean over seeds, a band of one sd) and assets/sparrow_predict.png (the three
+scatters).
 
 Simplifications:
     1. alpha is Sparrow's per-position acceptance rate that the run logs (1 - TV between the
        sparse rollout's and the dense policy's next-token distributions, exact over this small
-       vocabulary), over every generated row; p5 is its 5th percentile, per bin and over all tokens.
+       vocabulary), over every generated row.
     2. Every run starts from one warm start (sft_seed 0): the seed varies the RL run, its pool,
        held-out set and sampling. The warm start that `python train.py configs/lagged.py` cached in
-       out/ is reused when present; otherwise the first run builds it (about 20 minutes on 2 cores).
+       out/ is reused when present; otherwise the first run builds it (about 30 minutes on 2 cores).
     3. The runs' policies differ (each trains on its own rollouts), so per-bin figures across runs
        are noisy; tests/test_distill.py checks DistillSparse on a fixed batch.
-
     4. Each run is its own process (python -m bench.sparrow RECORD ARGS...) that writes its summary
        and arguments to bench/sparrow_runs/armI-seedS.json (its log beside it, not kept in git).
        A full bench skips the runs already recorded with the same arguments, so one that stopped
        part way resumes, and --jobs 0 tabulates the records without running anything. A change
        of code is not seen: delete the records to rerun them.
+    5. The oracle arm's speed is not a speed: its scorer reads every key. Its read fraction is the
+       figure: the pages a perfect ranking needs at the same target.
 
-    python -m bench sparrow --threads 1 --jobs 2   # hours: 15 runs, 2 at a time, 1 thread each
+    python -m bench sparrow --threads 1 --jobs 2   # hours: 24 runs, 2 at a time, 1 thread each
     python -m bench sparrow --jobs 0               # the table and plot of the runs recorded so far
     python -m bench sparrow --quick                # 2 steps, a short warm start: a smoke run
 """
@@ -50,9 +62,13 @@ from warmstart import build_policy
 
 CONFIG = "configs/lagged.py"
 SEEDS = (0, 1, 2)
-# pages a decode step for run (b): with pages of 64, only the pages every step reads (the first, the
+# pages a decode step for arm (b): with pages of 64, only the pages every step reads (the first, the
 # last full one and the partial one), so no page 256 tokens back unless it is one of those
 FIXED = 3
+# arms (d) and (e): the 95th percentile of each rollout's summed TV held at these; the first is
+# also (f)'s and (g)'s
+TV_TARGETS = (0.5, 2.0)
+SPEC_K = 8  # arm (h): tokens a draft
 # each full run's record (its arguments and summary): the table and plot are rebuilt from these,
 # and a bench that stopped part way resumes at the first run not recorded
 RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sparrow_runs")
@@ -60,13 +76,21 @@ RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sparrow_runs")
 
 def arms(fixed):
     """{run name: its command-line overrides}."""
-    held = ["--kv_budget=calibrate", "--kv_controller=true", "--kv_compare_every=5"]
-    table = [f"--kv_budget=table:{fixed}", "--kv_controller=false", "--kv_compare_every=5"]
+    cmp = ["--kv_compare_every=5"]
+    held = ["--kv_budget=calibrate", "--kv_controller=true"] + cmp
+    tv = lambda t: held + ["--kv_hold=rollout", f"--kv_tv_target={t}"]
+    t0, t1 = TV_TARGETS
     return {"(a) dense": ["--kv_budget=dense", "--kv_controller=false"],
-            f"(b) fixed {fixed} pages": table,
-            "(c) p5-held schedule": held,
-            "(d) (c) + DistillSparse": held + ["--distill_r=8"],
-            "(e) (b) + DistillSparse": table + ["--distill_r=8"]}
+            f"(b) floor, {fixed} pages": [f"--kv_budget=table:{fixed}", "--kv_controller=false"]
+            + cmp,
+            "(c) p5-held": held,
+            f"(d) TV-held <= {t0}": tv(t0),
+            f"(e) TV-held <= {t1}": tv(t1),
+            "(f) (d) + DistillSparse": tv(t0) + ["--distill_r=8"],
+            "(g) (d), oracle scorer": tv(t0) + ["--kv_scorer=oracle"],
+            f"(h) speculative, k={SPEC_K}": [f"--kv_budget=table:{fixed}", "--kv_controller=false",
+                                             "--rollout_mode=speculative", f"--spec_k={SPEC_K}"]
+            + cmp}
 
 
 def summary(history):
@@ -83,6 +107,8 @@ def summary(history):
                for k in ("mean", "p5")}
     k = max(1, len(recs) // 5)
     speed = [r["rollout_speedup"] for r in recs if "rollout_speedup" in r]
+    gaps = [r["reward_gap"] for r in recs if "reward_gap" in r]  # every kv_compare_every steps
+    nan = float("nan")
     return {"reward0": nanmean([r["reward"] for r in recs[:k]]),
             "reward1": nanmean([r["reward"] for r in recs[-k:]]),
             "acc0": history["acc0"], "acc": [r["acc"] for r in recs if "acc" in r][-1],
@@ -91,6 +117,9 @@ def summary(history):
             "bins": per_bin, "kv_read": nanmean([r["kv_read"] for r in recs]),
             "gen_s": sum(r["gen_s"] for r in recs), "tokens": sum(r["new_tokens"] for r in recs),
             "speedup": nanmean(speed), "n_speed": len(speed), "table": recs[-1].get("kv_table"),
+            "gap0": gaps[0] if gaps else nan, "gap1": gaps[-1] if gaps else nan,
+            "tv": nanmean([r.get("tv_tail", nan) for r in recs]),
+            "accept": nanmean([r.get("spec_accept", nan) for r in recs]),
             "curve": [(r["step"], r["reward"], r.get("acc")) for r in recs]}
 
 
@@ -105,7 +134,8 @@ def spread(xs):
 
 def aggregate(runs):
     """One arm's seeds (summaries) -> {figure: (mean, sd)}, per-bin means, and the mean curve."""
-    keys = ("reward0", "reward1", "acc0", "acc", "alpha", "p5", "kv_read", "speedup")
+    keys = ("reward0", "reward1", "acc0", "acc", "alpha", "p5", "kv_read", "speedup", "gap0",
+            "gap1", "tv", "accept")
     out = {k: spread([r[k] for r in runs]) for k in keys}
     out["ms"] = spread([1e3 * r["gen_s"] / r["tokens"] for r in runs])
     nb = max(len(r["bins"]["p5"]) for r in runs)
@@ -155,6 +185,57 @@ def plot(results, path, threshold):
     fig.savefig(path, dpi=110)
 
 
+def spearman(x, y):
+    """Spearman's rank correlation of two lists (ties get their mean rank); NaN under 3 pairs."""
+    pairs = [(a, b) for a, b in zip(x, y) if a == a and b == b]
+    if len(pairs) < 3:
+        return float("nan")
+
+    def ranks(v):
+        order, r = sorted(range(len(v)), key=v.__getitem__), [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for t in range(i, j + 1):
+                r[order[t]] = (i + j) / 2
+            i = j + 1
+        return r
+    rx, ry = ranks([a for a, _ in pairs]), ranks([b for _, b in pairs])
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx, sy = sum((a - mx) ** 2 for a in rx) ** 0.5, sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy) if sx and sy else float("nan")
+
+
+PREDICTORS = (("p5", "per-position p5 alpha"), ("tv", "rollout TV, 95th percentile"),
+              ("gap0", "paired reward gap at step 0"))
+
+
+def predictors(runs, path=None):
+    """runs {arm: {seed: summary}} -> [(predictor, rho, points)]: over the lossy arms x seeds,
+    each predictor against the held-out gap (the run's final accuracy minus the dense run's of
+    the same seed). Writes the three scatters to `path`."""
+    dense = runs.get("(a) dense", {})
+    pts = [(s, dense[seed]["acc"]) for arm, by in runs.items() if arm[:3] not in ("(a)", "(h)")
+           for seed, s in by.items() if seed in dense]
+    out = [(label, spearman([s[k] for s, _ in pts], [s["acc"] - d for s, d in pts]),
+            [(s[k], s["acc"] - d) for s, d in pts]) for k, label in PREDICTORS]
+    if path:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+        for a, (label, rho, xy) in zip(ax, out):
+            a.scatter([p[0] for p in xy], [p[1] for p in xy], s=14)
+            a.set_xlabel(label), a.set_title(f"Spearman rho {rho:+.2f}")
+        ax[0].set_ylabel("held-out accuracy minus dense's (same seed)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    return out
+
+
 def one(path, args):
     """One training run, train.main(args); its summary, with its arguments, written to path."""
     hist = train.main(args)
@@ -193,7 +274,6 @@ def recorded(path, args):
 
 def run(quick, cmd, jobs=1):
     """-> the table, its own head included (its columns differ from the other sections')."""
-    hw = hardware()
     small = ["--steps=2", "--sft_steps=10", "--sft_init=", "--n_eval=4", "--eval_every=1",
              "--calib_prompts=2", "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=96",
              "--difficulty=(1,2)"]
@@ -235,38 +315,51 @@ def run(quick, cmd, jobs=1):
                 print(f"[{len(todo) - len(waiting) - len(live)}/{len(todo)}] {name}, seed "
                       f"{seed}: {(time.time() - t) / 60:.1f} min ({(time.time() - t0) / 60:.0f} "
                       f"min in all)", flush=True)
-        runs = {name: [r for n, _, path, a in plan if n == name
-                       for r in [recorded(path, a)] if r is not None] for name in arms(FIXED)}
+        by_seed = {name: {seed: r for n, seed, path, a in plan if n == name
+                          for r in [recorded(path, a)] if r is not None} for name in arms(FIXED)}
     finally:
         for proc, *_ in live:
             proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+    runs = {name: list(by.values()) for name, by in by_seed.items()}
     results = {name: aggregate(r) for name, r in runs.items() if r}  # --jobs 0: maybe not all
     os.makedirs("assets", exist_ok=True)
     plot(results, "assets/sparrow.png", cfg.kv_target)
+    pred = predictors(by_seed, "assets/sparrow_predict.png")
+    return table(results, runs, pred, cfg, seeds, cmd)
+
+
+def table(results, runs, pred, cfg, seeds, cmd):
+    """The arms' table, then the predictors' rank correlations."""
     pm = lambda m_sd, f=".3f": "-" if m_sd[0] != m_sd[0] else f"{m_sd[0]:{f}} ± {m_sd[1]:{f}}"
-    fmt_bins = lambda xs: " ".join("-" if x != x else f"{x:.2f}" for x in xs) or "-"
-    dense_ms = results["(a) dense"]["ms"][0] if "(a) dense" in results else float("nan")
+    ceiling = next((a["speedup"][0] for n, a in results.items() if n.startswith("(b)")), None)
     rows = []
     for name, a in results.items():
-        rows.append(f"| {name} | {len(runs[name])} | {pm(a['reward0'])} -> {pm(a['reward1'])} | "
-                    f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['alpha'])} | {pm(a['p5'])} | "
-                    f"{fmt_bins(a['bins']['mean'])} | {fmt_bins(a['bins']['p5'])} | "
-                    f"{pm(a['kv_read'], '.2f')} | "
-                    f"{a['ms'][0]:.3f} ms ({dense_ms / a['ms'][0]:.2f}x) | "
-                    f"{pm(a['speedup'], '.2f')} | {a['tables'][0] or '-'} |")
-    head = [f"Hardware: {hw}. Command: `{cmd}`. {CONFIG}, seeds {', '.join(map(str, seeds))} "
-            f"(one warm start, sft_seed 0; the seed varies the pool, the held-out set and the "
-            f"sampling), {cfg.steps} steps of {cfg.prompts_per_step} x {cfg.group_size} rollouts, "
-            f"threshold p5 alpha >= {cfg.kv_target}, bins of {cfg.kv_bin_pages} pages of "
-            f"{cfg.page_size} tokens, first {cfg.dense_layers} layer(s) dense. Mean ± standard "
-            f"deviation over the seeds.", "",
-            "| run | seeds | reward, first -> last fifth of the steps | held-out accuracy, start -> end | "
-            "alpha mean (all tokens) | alpha p5 (all tokens) | mean alpha per bin | p5 alpha per "
-            "bin | KV pages read (of dense) | rollout time per token (vs the dense runs) | rollout "
-            "speedup vs dense, same step, same weights | table at the end (first seed) |",
+        of = (f" ({a['speedup'][0] / ceiling:.2f} of (b))" if ceiling and a["speedup"][0] == a[
+            "speedup"][0] else "")
+        rows.append(f"| {name} | {len(runs[name])} | {pm(a['kv_read'], '.2f')} | "
+                    f"{pm(a['speedup'], '.2f')}{of} | {pm(a['gap0'])} | {pm(a['gap1'])} | "
+                    f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['reward0'])} -> "
+                    f"{pm(a['reward1'])} | {pm(a['p5'])} | {pm(a['tv'], '.2f')} | "
+                    f"{pm(a['accept'])} | {a['tables'][0] or '-'} |")
+    head = [f"Hardware: {hardware()}. Command: `{cmd}`. {CONFIG}, seeds "
+            f"{', '.join(map(str, seeds))} (one warm start, sft_seed 0; the seed varies the pool, "
+            f"the held-out set and the sampling), {cfg.steps} steps of {cfg.prompts_per_step} x "
+            f"{cfg.group_size} rollouts, bins of {cfg.kv_bin_pages} pages of {cfg.page_size} "
+            f"tokens, first {cfg.dense_layers} layer(s) dense; p5 held at {cfg.kv_target}, the "
+            f"rollout TV's 95th percentile at the arm's target. Mean ± standard deviation over "
+            f"the seeds.", "",
+            "| run | seeds | KV pages read (of dense) | rollout speedup vs dense at matched lengths "
+            "(of the floor's) | reward gap vs dense, step 0 | reward gap, last comparison | "
+            "held-out accuracy, start -> end | training reward, first -> last fifth | p5 alpha | "
+            "rollout TV, 95th pct | draft tokens accepted | table at the end (first seed) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    return head + rows
+    corr = ["", "Which statistic predicts the held-out gap (final accuracy minus the dense run's of "
+            "the same seed), over the lossy arms x seeds; Spearman's rho "
+            "(assets/sparrow_predict.png):", "",
+            "| predictor | rho | runs |", "|---|---|---|"]
+    corr += [f"| {label} | {rho:+.2f} | {len(xy)} |" for label, rho, xy in pred]
+    return head + rows + corr
 
 
 if __name__ == "__main__":  # one run, in its own process: python -m bench.sparrow RECORD ARGS...

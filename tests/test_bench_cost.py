@@ -3,6 +3,7 @@ decode times and bench.cost.rollout_cost's prediction for the same schedule and 
 import json
 import os
 
+import pytest
 import torch
 
 from bench import cost
@@ -72,6 +73,22 @@ def test_sparrow_summary_takes_a_dense_run_that_measures_no_alpha():
     assert s["acc"] == 0.5 and s["tokens"] == 50 and s["bins"] == {"mean": [], "p5": []}
 
 
+def test_sparrow_predictors_rank_each_statistic_against_the_held_out_gap():
+    from bench import sparrow
+    assert sparrow.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert sparrow.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert sparrow.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254)  # ties: mean rank
+    mk = lambda acc, p5, tv, gap0: {"acc": acc, "p5": p5, "tv": tv, "gap0": gap0}
+    runs = {"(a) dense": {0: mk(0.9, 0, 0, 0), 1: mk(0.8, 0, 0, 0)},
+            "(c) x": {0: mk(0.5, 0.9, 9.0, -0.5), 1: mk(0.7, 0.95, 3.0, -0.1)},
+            "(d) y": {0: mk(0.85, 0.8, 0.5, -0.02), 1: mk(0.6, 0.99, 5.0, -0.3)}}
+    got = {label: (rho, len(xy)) for label, rho, xy in sparrow.predictors(runs)}
+    # the gaps -0.4, -0.1, -0.05, -0.2: the TV and the reward gap rank them exactly, p5 does not
+    assert got["rollout TV, 95th percentile"] == (pytest.approx(-1.0), 4)
+    assert got["paired reward gap at step 0"][0] == pytest.approx(1.0)
+    assert abs(got["per-position p5 alpha"][0]) < 1
+
+
 def test_regime_reports_the_attention_share_and_each_scorers_calibrated_table(monkeypatch):
     """`python -m bench regime --quick`: an attention share per context, and per page size and
     scorer (centroid, Quest, oracle) a calibrated table whose read fraction lies in (0, 1]."""
@@ -114,7 +131,8 @@ def test_sparrow_tabulates_the_recorded_runs_and_reruns_a_changed_one(tmp_path, 
     monkeypatch.setattr(sparrow, "plot", lambda *a: None)
     args = [sparrow.CONFIG, "--plot=false", "--sft_seed=0", "--threads=1"]
     plan = sparrow.plan_runs(args, sparrow.SEEDS, str(tmp_path), "out")
-    assert len(plan) == 5 * len(sparrow.SEEDS) and plan[0][1] == plan[4][1] == 0  # seed by seed
+    n = len(sparrow.arms(sparrow.FIXED))
+    assert len(plan) == n * len(sparrow.SEEDS) and plan[0][1] == plan[n - 1][1] == 0  # by seed
     recs = [{"step": 0, "reward": 0.5, "kv_read": 1.0, "gen_s": 2.0, "new_tokens": 1000, "acc": 0.75}]
     summary = sparrow.summary({"records": recs, "acc0": 0.5})
     for name, seed, path, a in plan[:2]:  # (a) and (b) at seed 0; (b)'s at another lr
@@ -127,4 +145,4 @@ def test_sparrow_tabulates_the_recorded_runs_and_reruns_a_changed_one(tmp_path, 
     lines = sparrow.run(False, "python -m bench sparrow --jobs 0", jobs=0)
     rows = [line.split(" | ") for line in lines if line.startswith("| (")]
     assert [(r[0], r[1]) for r in rows] == [("| (a) dense", "1")]
-    assert rows[0][3] == "0.500 ± 0.000 -> 0.750 ± 0.000"
+    assert rows[0][6] == "0.500 ± 0.000 -> 0.750 ± 0.000"
