@@ -9,6 +9,7 @@ section; the full tables, with what they say, are in bench/RESULTS.md.
     python -m bench signal --threads 1        # stages 1 and 3: 5 seeds x 4 short runs (30 minutes)
     python -m bench sparrow --jobs 2          # stage 2 in the loop: 5 long-CoT arms x 3 seeds (hours)
     python -m bench sparsecost --threads 1    # stage 2: where a decode step's time goes (4 minutes)
+    python -m bench specdecode --threads 1    # stage 2: speculative decode vs dense (10 minutes)
 
 Files:
     __main__.py    the command line: one section, --quick, --threads, --jobs, --write-results
@@ -21,6 +22,8 @@ Files:
     sparrow_runs/  each sparrow run's record (arguments and summary), for resuming and the table
     sparsecost.py  a long-CoT decode step split into attention, page selection and the rest
     sparsepath.py  the CPU sparse path against dense attention at 1k-4k cached tokens
+    specdecode.py  lossless sparse rollout: self-speculative decode against dense, measured and
+                   predicted (the cost model), and the prediction for Qwen3-1.7B at 32K
     pagereads.py   what reading a fraction of the KV pages costs the memory system
     gpu.py         one GPU: the kernel, FlexAttention, SDPA, engine decode (torch and triton only)
     step.py        a whole RL step against TRL's GRPOTrainer

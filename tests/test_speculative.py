@@ -229,3 +229,14 @@ def test_speculative_keyword_is_checked():
     with pytest.raises(ValueError, match="record_pages"):
         Engine(m, Ids(), eos_ids=[-1], sparse=fraction_budget(0.5), speculative=2,
                record_pages=True)
+
+
+def test_bench_specdecode_quick_runs():
+    """`python -m bench specdecode --quick` (a few seconds): the measured table, one row per arm
+    and dense, and the cost model's Qwen3-1.7B prediction beside the lossy path's."""
+    from bench import specdecode
+    lines = specdecode.run(True, "python -m bench specdecode --quick")
+    rows = [x for x in lines if x.startswith("| 512 |")]
+    assert len(rows) == 3 and "| dense |" in rows[0]
+    qwen = [x for x in lines if x.startswith("| Qwen3-1.7B")]
+    assert len(qwen) == 2 and all(x.count("x |") == 2 for x in qwen)
