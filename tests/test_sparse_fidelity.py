@@ -189,3 +189,12 @@ def test_speculative_mode_in_the_loop_is_exact_and_logs_acceptance(tmp_path, mon
     assert seen and seen[0] < 1e-4  # the rollout's log-probs are the trainer's, token for token
     with pytest.raises(ValueError, match="speculative"):
         config.parse_config(["--rollout_mode=speculative"])  # no sparse budget to draft with
+
+
+def test_lowalpha_types_each_token_of_a_lagged_completion():
+    from bench.lowalpha import token_types
+    line = "12" * 32 + "\n"  # 65 tokens: 32 pairs (copy v, sum t) and a newline
+    text = line + "34" + "#7"
+    types = token_types(text, len(text) + 1)  # the EOS is the last token: part of the end
+    assert types[:4] == [0, 1, 0, 1] and types[64] == 2 and types[65:67] == [0, 1]
+    assert types[67:] == [3, 3, 3]
