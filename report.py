@@ -14,6 +14,7 @@ Simplifications:
     2. The plot is reward per step and greedy held-out accuracy at each evaluation, nothing more.
 """
 
+import math
 import os
 import platform
 
@@ -36,7 +37,8 @@ def step_lines(rec):
                g("reward", "reward {:.3f}") + g("reach_verify", " verify {:.2f}"))
     tq = f"tv q{1 - rec.get('alpha_bins', {}).get('q', 0.05):.2f}"  # the rollout TV's tail
     learn = (g("alpha_p5", "p5 alpha {:.3f}") + g("tv_tail", f" {tq} {{:.2f}}")
-             + g("tv_mean", " mean {:.2f}"),
+             + g("tv_mean", " mean {:.2f}") + g("mismatch", "mismatch {}")
+             + g("spec_accept", " accept {:.3f}") + g("spec_per_verify", " {:.2f} a verify"),
              g("loss", "loss {:+.4f}") + g("grad_norm", " gn {:.2f}") + g("train_s", " {:.1f}s"),
              g("acc", "acc {:.3f}"))
     bins, q = rec.get("alpha_bins", {}).get("p5"), rec.get("alpha_bins", {}).get("q", 0.05)
@@ -67,8 +69,22 @@ def examples(problems, shown, n=3):
     return sorted({order[0], order[len(order) // 2], order[-1]})[:n] if order else []
 
 
+def pass_ks(k):
+    """The pass@j a run reports from k samples per problem: j = 1, 8, 64, ... up to k, and k."""
+    return sorted({1, k} | {8 ** i for i in range(1, 8) if 8 ** i <= k})
+
+
+def pass_at(rewards, ks):
+    """pass@j for each j in ks from one problem's n sampled rewards (a reward of 1 is correct):
+    the unbiased estimate 1 - C(n - c, j) / C(n, j) of the chance that j of them hold a correct
+    one (Chen et al., 2021); j = n is whether any of them is correct."""
+    n, c = len(rewards), int((rewards >= 1.0).sum())
+    return [1.0 - math.comb(n - c, j) / math.comb(n, j) for j in ks]
+
+
 def by_difficulty(scores, col):
-    """[(difficulty, pass@1, pass@k)] -> {difficulty: mean of column col}; {} if none has one."""
+    """[(difficulty, figure, figure, ...)] -> {difficulty: mean of column col}; {} if none has
+    one."""
     out = {}
     for row in scores:
         if row[0] is not None:
@@ -102,20 +118,26 @@ def summary(history, seconds, k=8):
 
 
 def per_difficulty(history, last, k):
-    """Rows of held-out accuracy per difficulty: the warm start's greedy, pass@1 and pass@k at the
-    rollout temperature, and greedy after RL. Whether RL sharpened what the start could already
-    sample (after RL <= pass@k) or extended it (after RL > pass@k) reads off one row."""
+    """Rows of held-out accuracy per difficulty: the warm start's greedy accuracy, and with
+    eval_sampled its pass@1 and pass@j at the rollout temperature (j = 8, 64, ... k: the columns
+    the history holds); then the same after RL (greedy only, without eval_sampled). Whether RL
+    sharpened what the start could already sample (after RL's pass@1 <= the start's pass@k) or went
+    past it (above) reads off one row."""
     start = history.get("start") or {}
-    after = {int(d): a for d, a in (last or {}).get("acc_by_difficulty", {}).items()}
+    end = history.get("end") or {"greedy": (last or {}).get("acc_by_difficulty", {})}
     if not start.get("greedy"):
         return []
-    cols = [("start greedy", start["greedy"]), ("start pass@1", start.get("pass@1", {})),
-            (f"start pass@{k}", start.get(f"pass@{k}", {})), ("after RL", after)]
-    rows = ["", "held-out accuracy by difficulty",
-            "difficulty " + "".join(f"{name:>15}" for name, _ in cols)]
+    names = ["greedy"] + sorted((c for c in start if c.startswith("pass@")),
+                                key=lambda c: int(c[5:]))
+    cols = [(side, name, {int(d): a for d, a in h.get(name, {}).items()})
+            for side, h in (("start", start), ("after RL", end)) for name in names]
+    w = 9
+    rows = ["", "held-out accuracy by difficulty (start: the warm start; after RL: the end)",
+            "difficulty " + "".join(f"{side[:w - 1]:>{w}}" for side, _, _ in cols),
+            " " * 11 + "".join(f"{name:>{w}}" for _, name, _ in cols)]
     for d in sorted(start["greedy"], key=int):
-        rows.append(f"{d:>10} " + "".join(
-            f"{c[int(d)] if int(d) in c else c.get(str(d), float('nan')):>15.3f}" for _, c in cols))
+        rows.append(f"{d:>10} " + "".join(f"{c.get(int(d), float('nan')):>{w}.3f}"
+                                          for _, _, c in cols))
     return rows
 
 
