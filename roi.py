@@ -169,8 +169,10 @@ class RoILinear(nn.Module):
         self.logits = nn.Parameter(init_scale * s / s.mean(-1, keepdim=True).clamp_min(1e-12))
 
     def hard_mask(self):
-        """(out, in) bool: the n largest logits of every group."""
-        return nm_mask(self.logits.detach().reshape(self.weight.shape), self.n, self.m)
+        """(out, in) bool: the n largest logits of every group (not the largest |logit|, nm_mask's
+        default: a logit that training drove far below 0 is the one most surely pruned)."""
+        phi = self.logits.detach().reshape(self.weight.shape)
+        return nm_mask(phi, self.n, self.m, scores=phi)
 
     def forward(self, x):
         if not self.masked:
