@@ -7,7 +7,8 @@ section; the full tables, with what they say, are in bench/RESULTS.md.
     python -m bench rollout --quick           # smaller sizes: a smoke run of the same code
     python -m bench rollout --write-results   # also rewrite the rollout block of bench/RESULTS.md
     python -m bench signal --threads 1        # stages 1 and 3: 5 seeds x 4 short runs (30 minutes)
-    python -m bench sparrow --jobs 2          # stage 2 in the loop: 5 long-CoT arms x 3 seeds (hours)
+    python -m bench sparrow --jobs 2          # stage 2 in the loop: 8 long-CoT arms x 3 seeds (hours)
+    python -m bench lowalpha --threads 1      # stage 2: low alpha by token type on the long-CoT task
     python -m bench sparsecost --threads 1    # stage 2: where a decode step's time goes (4 minutes)
     python -m bench specdecode --threads 1    # stage 2: speculative decode vs dense (10 minutes)
 
@@ -18,7 +19,8 @@ Files:
     rollout.py     the engine vs transformers, shared prefill, sparse decode on the CPU and GPU
     signal.py      growth-zone and dynamic sampling vs uniform sampling, same number of rollouts
     regime.py      the long-CoT regime: attention's share of decode, the pages each scorer needs
-    sparrow.py     the miniature Sparrow experiment: five long-CoT arms, dense to sparse, 3 seeds
+    lowalpha.py    where low alpha falls on the long-CoT task, by token type, per scorer and budget
+    sparrow.py     the miniature Sparrow experiment: eight long-CoT arms, dense to speculative, 3 seeds
     sparrow_runs/  each sparrow run's record (arguments and summary), for resuming and the table
     sparsecost.py  a long-CoT decode step split into attention, page selection and the rest
     sparsepath.py  the CPU sparse path against dense attention at 1k-4k cached tokens

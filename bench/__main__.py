@@ -21,8 +21,8 @@ import torch
 from bench.common import RESULTS, write_block
 
 # bench/<name>.py, each with run()
-SECTIONS = ("rollout", "signal", "sparrow", "regime", "sparsecost", "sparsepath", "specdecode",
-            "pagereads", "gpu", "syncbytes", "step", "demo", "moe")
+SECTIONS = ("rollout", "signal", "sparrow", "regime", "lowalpha", "sparsecost", "sparsepath",
+            "specdecode", "pagereads", "gpu", "syncbytes", "step", "demo", "moe")
 
 
 def main(argv):
