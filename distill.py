@@ -146,7 +146,7 @@ class DistillSparse:
         """`update` on train.py's kept groups (their 6th field: the rows' ro.read_pages), whose page
         records are padded to one shape here (refill tries differ in length). prompt_lens: one per
         kept group."""
-        sel = [k[5] for k in kept]
+        sel = [k.pages for k in kept]
         # a try's record spans its longest row, which may be a
         # dropped group's: longer than any kept completion
         rows, steps, pages = (sum(len(x) for x in sel), max(x.shape[1] for x in sel),

@@ -58,14 +58,14 @@ from config import cli, parse_config
 from model import add_lora
 from moe import moe_layers, replay_batch
 from prompts import group_has_signal, make_sampler, refill_size
-from report import by_difficulty, examples, plot, step_lines, summary
+from report import by_difficulty, examples, pass_at, pass_ks, plot, step_lines, summary
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
 from sparse_rollout import SparseRollout
 from sparsity import MaskedParams, apply_nm
 from sync import Receiver, Sender, send_local
 from tasks import encode_pool, load_problems
-from update import batch_from_groups, lr_at, pg_loss, replay_mismatch, train_on
+from update import Group, batch_from_groups, lr_at, pg_loss, replay_mismatch, train_on
 from warmstart import build_policy, cache_path
 
 @dataclass
@@ -170,8 +170,8 @@ def train(cfg, run, rank, log):
     elif run.role.trains:
         with run.amp:
             history["acc0"], greedy, shown = evaluate(cfg, run, texts=range(len(run.eval_p)))
-            pass1, pass_k = evaluate(cfg, run, k=cfg.group_size) if cfg.eval_sampled else ({}, {})
-        history["start"] = {"greedy": greedy, "pass@1": pass1, f"pass@{cfg.group_size}": pass_k}
+            sampled = evaluate(cfg, run, k=cfg.eval_k or cfg.group_size) if cfg.eval_sampled else {}
+        history["start"] = {"greedy": greedy, **sampled}  # sampled: {"pass@1": {d: ...}, ...}
         history["examples"] = [{"index": i, "prompt": run.eval_p[i].prompt,
                                 "answer": run.eval_p[i].answer, "before": shown[i][0]}
                                for i in examples(run.eval_p, shown)]
@@ -199,6 +199,9 @@ def train(cfg, run, rank, log):
                 rec["acc"], rec["acc_by_difficulty"], shown = evaluate(cfg, run, texts=picks)
                 for ex in history["examples"]:
                     ex["after"] = shown.get(ex.get("index"), (ex.get("after"),))[0]
+                if last and cfg.eval_sampled:  # the end's pass@k beside the start's
+                    history["end"] = {"greedy": rec["acc_by_difficulty"],
+                                      **evaluate(cfg, run, k=cfg.eval_k or cfg.group_size)}
         if not run.role.trains:  # a rollout rank: its figures are the trainers' to log
             continue
         if rec["tokens"]:  # optimizer steps skipped in a row for NaN/inf: a diverged run stops
@@ -302,10 +305,11 @@ def collect(cfg, step, run):
             if (signal or not cfg.dynamic_sampling) and len(kept) < n_local:
                 zero_adv += not signal
                 rows = slice(g * G, (g + 1) * G)
-                kept.append((batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows],
-                             None if ro.read_pages is None else ro.read_pages[rows],
-                             torch.tensor([f == "length" for f in ro.finish[rows]]),
-                             None if ro.experts is None else ro.experts.take(range(len(ro))[rows])))
+                kept.append(Group(
+                    batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows],
+                    None if ro.read_pages is None else ro.read_pages[rows],
+                    torch.tensor([f == "length" for f in ro.finish[rows]]),
+                    None if ro.experts is None else ro.experts.take(range(len(ro))[rows])))
         rec["tries"] = t + 1
         n_kept = parallel.gather(len(kept), n, group)
         if min(n_kept) >= n_local:  # a global decision: every rank runs the same collectives
@@ -332,19 +336,19 @@ def learn(cfg, run, kept):
     step, and the figures for the log. Every trainer calls it, kept groups or not (collectives)."""
     n, group = run.role.n, run.role.group
     t0, rec = time.perf_counter(), {}
-    drop = torch.cat([k[6] for k in kept]) if kept and cfg.overlong_filter else None  # cut rows
+    drop = torch.cat([k.cut for k in kept]) if kept and cfg.overlong_filter else None  # cut rows
     ids, tmask, adv, roll = batch_from_groups(kept, run.train_ids, cfg.group_size,
                                               run.sparse.engine.pad_id, cfg.adv_eps,
                                               run.model.lm_head.weight.device, cfg.adv_norm, drop)
-    routes = (replay_batch([k[7] for k in kept], [k[2] for k in kept], ids.shape).to(ids.device)
-              if kept and kept[0][7] is not None else None)  # MoE: the rollout's experts
+    routes = (replay_batch([k.routes for k in kept], [k.mask for k in kept], ids.shape)
+              .to(ids.device) if kept and kept[0].routes is not None else None)  # MoE's experts
     out = train_on(cfg, run.model, run.opt, ids, tmask, adv, n, roll, group, run.ref_model,
                    dense_dist=run.sparse.distill is not None, masked=run.masked, routes=routes)
     stats = out.pop("stats")  # loss sum, tokens, clipped, skipped, grad norm
     dense_full = out.pop("_dense_full", None)
     pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low,
                                   cfg.clip_high)[0]  # DistillSparse's optional reward term
-    rec.update(run.sparse.after_update(kept, [len(run.train_ids[k[0]]) for k in kept], ids, tmask,
+    rec.update(run.sparse.after_update(kept, [len(run.train_ids[k.prompt]) for k in kept], ids, tmask,
                                        dense_full, pg))
     rec.update(out)
     if n > 1:
@@ -394,27 +398,29 @@ def refresh_rollout(cfg, run):
 def evaluate(cfg, run, k=1, texts=()):
     """Held-out accuracy, scored by the same cascade, each trainer on a slice: greedy by default
     -> (accuracy, {difficulty: accuracy}); with k > 1, k samples per problem at the rollout
-    temperature -> ({difficulty: pass@1}, {difficulty: pass@k}). `texts`: indices of problems whose
-    greedy completions to return too, as {index: (completion, reward)} (the before/after examples)."""
-    me, n = run.role.me, run.role.n
+    temperature -> {"pass@j": {difficulty: pass@j}} for j = 1, 8, 64, ..., k (report.pass_at).
+    `texts`: indices of problems whose greedy completions to return too, as
+    {index: (completion, reward)} (the before/after examples)."""
+    me, n, ks = run.role.me, run.role.n, pass_ks(k)
     mine, scores, shown = list(range(me, len(run.eval_p), n)), [], {}
+    per = max(1, 2048 // k)  # prompts per generate: at most about 2,048 rows in the KV cache
     engine = run.greedy if k == 1 else Engine(run.greedy.model, temperature=cfg.temperature,
                                               tokenizer=run.tok, max_new_tokens=cfg.max_new_tokens,
                                               stop=run.greedy.stop)
-    for a in range(0, len(mine), 256):
-        chunk = mine[a:a + 256]
+    for a in range(0, len(mine), per):
+        chunk = mine[a:a + per]
         ro = engine.generate([run.eval_ids[i] for i in chunk], k, seed=0)
         res = run.cascade.score_batch([run.eval_p[i] for i in chunk for _ in range(k)], ro.texts,
                                       group_size=k, finish=ro.finish)
         r = torch.tensor(res.rewards).view(-1, k)
-        scores += [(run.eval_p[i].meta.get("difficulty"), x.mean().item(), x.max().item())
+        scores += [(run.eval_p[i].meta.get("difficulty"), x.mean().item(), *pass_at(x, ks))
                    for i, x in zip(chunk, r)]
         shown.update({i: (ro.texts[j * k], res.rewards[j * k]) for j, i in enumerate(chunk)
                       if i in texts})
     scores = [x for part in parallel.gather(scores, n, run.role.group) for x in part]
     shown = {i: t for part in parallel.gather(shown, n, run.role.group) for i, t in part.items()}
     if k > 1:
-        return by_difficulty(scores, 1), by_difficulty(scores, 2)
+        return {f"pass@{j}": by_difficulty(scores, 2 + m) for m, j in enumerate(ks)}
     return sum(x[1] for x in scores) / len(scores), by_difficulty(scores, 1), shown
 
 

@@ -36,6 +36,7 @@ Simplifications:
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -267,9 +268,20 @@ def replay_mismatch(model, prompt_ids, ro, temperature=1.0, micro_batch=16, pad_
     return out
 
 
+class Group(NamedTuple):
+    """One kept group of G rollouts of a prompt, as stages 1-3 hand it to the update."""
+    prompt: int  # index of the prompt in the training pool
+    tokens: torch.Tensor  # (G, T) completion ids
+    mask: torch.Tensor  # (G, T) sampled tokens
+    rewards: torch.Tensor  # (G,)
+    logp: torch.Tensor  # (G, T) the rollout policy's log-probs of its tokens
+    pages: torch.Tensor = None  # (G, T, sparse layers, H_kv, P) pages read (DistillSparse) or None
+    cut: torch.Tensor = None  # (G,) bool: rows cut at max_new_tokens
+    routes: object = None  # MoE: moe.Routes of these rows, or None
+
+
 def batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev, adv_norm="std", drop_rows=None):
-    """Kept groups [(prompt index, tokens (G, T), mask (G, T), rewards (G,), rollout log-probs
-    (G, T), ...)] -> ids, tmask (N, T'), advantages (N,), and the rollout policy's log-probs at the
+    """Kept groups [Group] -> ids, tmask (N, T'), advantages (N,), and the rollout policy's log-probs at the
     trainer's target positions (N, T'), on `dev`. No groups: empty tensors, so that this rank still
     joins every collective of the update. `drop_rows` (N,) bool: rows that keep their place in the
     advantages but leave the loss (DAPO's overlong filtering of truncated completions)."""
@@ -277,13 +289,13 @@ def batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev, adv_norm="std", d
         return (torch.zeros(0, 1, dtype=torch.long, device=dev),
                 torch.zeros(0, 1, dtype=torch.bool, device=dev),
                 torch.zeros(0, device=dev), torch.zeros(0, 1, device=dev))
-    p_ids = [pool_ids[i] for i, *_ in kept for _ in range(G)]
-    ids, tmask = build_batch(p_ids, [row for k in kept for row in k[1]],
-                             [row for k in kept for row in k[2]],
+    p_ids = [pool_ids[k.prompt] for k in kept for _ in range(G)]
+    ids, tmask = build_batch(p_ids, [row for k in kept for row in k.tokens],
+                             [row for k in kept for row in k.mask],
                              pad_id)  # groups from different refill tries have different lengths
-    adv = torch.cat([group_advantages(k[3], G, adv_eps, adv_norm)[0] for k in kept])
+    adv = torch.cat([group_advantages(k.rewards, G, adv_eps, adv_norm)[0] for k in kept])
     roll = torch.zeros(tmask.shape)
-    roll[tmask] = torch.cat([lp[m] for k in kept for lp, m in zip(k[4], k[2])])
+    roll[tmask] = torch.cat([lp[m] for k in kept for lp, m in zip(k.logp, k.mask)])
     if drop_rows is not None:
         # no token of theirs is trained on; the group's mean still counts them
         tmask[drop_rows] = False

@@ -7,6 +7,7 @@ from distill import DistillSparse, ReplayCache, replay_logprobs
 from model import ModelConfig, Transformer
 from rollout import Engine
 from sparsity import dense_logprobs, fixed_budget
+from update import Group
 from tests.test_rollout import CharTok
 
 PROMPTS = [[3 + (i * 7 + j * 3) % 26 for j in range(n)] for i, n in enumerate([21, 13, 30])]
@@ -123,7 +124,7 @@ def test_step_on_pads_the_page_records_of_refill_tries_to_one_shape():
     torch.manual_seed(0)
     # (rows, Tc, layers, H_kv, pages)
     a, b = torch.rand(2, 10, 2, 2, 5) > 0.5, torch.rand(2, 4, 2, 2, 7) > 0.5
-    kept = [(0, None, None, None, None, a), (1, None, None, None, None, b)]
+    kept = [Group(0, None, None, None, None, a), Group(1, None, None, None, None, b)]
     got = {}
     ds.update = (lambda ids, tmask, pages, plen, dense_full, pg=None:
                  got.update(pages=pages, plen=plen))

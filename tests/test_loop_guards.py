@@ -184,8 +184,8 @@ def test_overlong_punishment_and_filtering_in_the_loop(tmp_path, monkeypatch):
     train.main(TINY_RUN + ["--steps=2", "--overlong_buffer=6", "--overlong_filter=true",
                            "--refill_tries=3", f"--out_dir={tmp_path}", "--save_every=100"])
     kept = [k for ks, _ in got for k in ks]
-    cut = torch.cat([k[6] for k in kept])
-    rewards = torch.cat([k[3] for k in kept])
+    cut = torch.cat([k.cut for k in kept])
+    rewards = torch.cat([k.rewards for k in kept])
     # a cut row ends at -1 on top of its parity reward
     assert cut.any() and (rewards[cut] <= 0).all()
     drops = [d for ks, d in got if ks]

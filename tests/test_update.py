@@ -115,10 +115,10 @@ def test_dropout_acts_only_in_the_training_forward():
 def test_overlong_filtering_drops_truncated_rows_from_the_loss_but_not_from_the_group():
     G, toks = 4, torch.tensor([[5, 6, 7]] * 4)
     mask = torch.ones(4, 3, dtype=torch.bool)
-    kept = [(0, toks, mask, torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4, 3), None,
-             torch.tensor([False, True, False, False]))]
+    kept = [update.Group(0, toks, mask, torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.zeros(4, 3),
+                         cut=torch.tensor([False, True, False, False]))]
     ids, tmask, adv, roll = update.batch_from_groups(kept, [[1, 2]], G, 0, 1e-6,
-                                                     torch.device("cpu"), drop_rows=kept[0][6])
+                                                     torch.device("cpu"), drop_rows=kept[0].cut)
     assert tmask[1].sum() == 0 and tmask[0].sum() == 3 and tmask[2].sum() == 3
     # the group's mean keeps row 1
     assert torch.allclose(adv, torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-4)
