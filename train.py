@@ -259,7 +259,7 @@ def collect(cfg, step, run):
     `refill_tries` more times; when the tries run out the batch trains short (never padded with
     zero-advantage groups). Every collecting rank draws the same prompts and takes its slice, and
     observes the whole batch, so the samplers stay identical. -> (kept groups, their figures)."""
-    me, n, group, G = run.role.me, run.role.n, run.role.group, cfg.group_size
+    me, n, group = run.role.me, run.role.n, run.role.group
     n_local = max(1, cfg.prompts_per_step // n)
     t_start = time.perf_counter()
     kept, results, rec = [], [], {"gen_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "tries": 0}
@@ -269,29 +269,8 @@ def collect(cfg, step, run):
         batch = run.sampler.next_batch(n_draw * n, refill=t > 0)  # stage 1: every rank the same...
         batch = batch[me * n_draw:(me + 1) * n_draw]  # ...and each takes its slice
         zone.append(run.sampler.stats().get("zone", float("nan")))
-        t0, seed = time.perf_counter(), rollout_seed(cfg.seed, step, t, me)
-        prompt_ids = [run.train_ids[i] for i, _ in batch]
-        ro = run.sparse.engine.generate(prompt_ids, G, seed=seed)  # stage 2
-        rec["gen_s"] += time.perf_counter() - t0
-        if t == 0 and ro.experts is not None and run.role.trains:  # MoE: routing vs the trainer's
-            rec.update(replay_mismatch(run.replica or run.model, prompt_ids, ro, cfg.temperature,
-                                       cfg.micro_batch, run.sparse.engine.pad_id))
-        for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense"):
-            rec[k] = rec.get(k, 0) + ro.timings[k]
-        res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts,
-                                      group_size=G, finish=ro.finish)  # stage 3: cut rows score 0
+        ro, res, r = generate_and_score(cfg, step, t, batch, run, rec)  # stages 2 and 3
         results.append(res)
-        # a rollout rank that holds only the bf16 copy measures against its own dense decode
-        ref = (run.sparse.rollout_model if run.ships_copy and run.role.split
-               else run.replica or run.model)
-        for k, v in run.sparse.after_rollout(step, t, ro, batch, prompt_ids, seed, res.rewards,
-                                             run.cascade, ref, me, n).items():
-            rec[k] = rec.get(k, 0.0) + v if k == "alpha_s" else v
-        r = torch.tensor(res.rewards, dtype=torch.float32)
-        if cfg.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifier's reward
-            r += torch.tensor(overlong_penalty(ro.mask.sum(1).tolist(), cfg.max_new_tokens,
-                                               cfg.overlong_buffer, cfg.overlong_penalty))
-        r = r.view(-1, G)
         rewards_all.append(r.flatten())
         lens.append(ro.mask.sum(1).float())
         finish_length += sum(f == "length" for f in ro.finish)
@@ -301,15 +280,7 @@ def collect(cfg, step, run):
                             [g for _, rs, _ in everyone for g in rs])
         drawn += sum(len(h) for *_, h in everyone)
         signals += sum(sum(h) for *_, h in everyone)
-        for g, signal in enumerate(has):
-            if (signal or not cfg.dynamic_sampling) and len(kept) < n_local:
-                zero_adv += not signal
-                rows = slice(g * G, (g + 1) * G)
-                kept.append(Group(
-                    batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows],
-                    None if ro.read_pages is None else ro.read_pages[rows],
-                    torch.tensor([f == "length" for f in ro.finish[rows]]),
-                    None if ro.experts is None else ro.experts.take(range(len(ro))[rows])))
+        zero_adv += keep_groups(cfg, batch, ro, r, has, kept, n_local)
         rec["tries"] = t + 1
         n_kept = parallel.gather(len(kept), n, group)
         if min(n_kept) >= n_local:  # a global decision: every rank runs the same collectives
@@ -324,6 +295,50 @@ def collect(cfg, step, run):
                **combine(results).summary(), collect_s=time.perf_counter() - t_start)
     rec.update(run.sparse.observe(n, group))  # the mismatch; the controller moves the table
     return kept, rec
+
+
+def generate_and_score(cfg, step, t, batch, run, rec):
+    """One try's stages 2 and 3: G rollouts of each prompt, their rewards (with DAPO's overlong
+    penalty), and stage 2's figures (alpha, the dense comparison) -> (ro, cascade result, rewards
+    (prompts, G)). Adds the try's timings and figures to rec."""
+    me, n, G = run.role.me, run.role.n, cfg.group_size
+    t0, seed = time.perf_counter(), rollout_seed(cfg.seed, step, t, me)
+    prompt_ids = [run.train_ids[i] for i, _ in batch]
+    ro = run.sparse.engine.generate(prompt_ids, G, seed=seed)
+    rec["gen_s"] += time.perf_counter() - t0
+    if t == 0 and ro.experts is not None and run.role.trains:  # MoE: routing vs the trainer's
+        rec.update(replay_mismatch(run.replica or run.model, prompt_ids, ro, cfg.temperature,
+                                   cfg.micro_batch, run.sparse.engine.pad_id))
+    for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense"):
+        rec[k] = rec.get(k, 0) + ro.timings[k]
+    res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts,
+                                  group_size=G, finish=ro.finish)  # cut rows score 0
+    # a rollout rank that holds only the bf16 copy measures against its own dense decode
+    ref = run.sparse.rollout_model if run.ships_copy and run.role.split else run.replica or run.model
+    for k, v in run.sparse.after_rollout(step, t, ro, batch, prompt_ids, seed, res.rewards,
+                                         run.cascade, ref, me, n).items():
+        rec[k] = rec.get(k, 0.0) + v if k == "alpha_s" else v
+    r = torch.tensor(res.rewards, dtype=torch.float32)
+    if cfg.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifier's reward
+        r += torch.tensor(overlong_penalty(ro.mask.sum(1).tolist(), cfg.max_new_tokens,
+                                           cfg.overlong_buffer, cfg.overlong_penalty))
+    return ro, res, r.view(-1, G)
+
+
+def keep_groups(cfg, batch, ro, r, has, kept, n_local):
+    """Append to `kept` the groups with reward spread (every group, without dynamic sampling), up
+    to n_local -> how many kept groups have no spread (zero advantage)."""
+    G, zero_adv = cfg.group_size, 0
+    for g, signal in enumerate(has):
+        if (signal or not cfg.dynamic_sampling) and len(kept) < n_local:
+            zero_adv += not signal
+            rows = slice(g * G, (g + 1) * G)
+            kept.append(Group(
+                batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows],
+                None if ro.read_pages is None else ro.read_pages[rows],
+                torch.tensor([f == "length" for f in ro.finish[rows]]),
+                None if ro.experts is None else ro.experts.take(range(len(ro))[rows])))
+    return zero_adv
 
 
 def rollout_seed(seed, step, try_, rank):
