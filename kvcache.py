@@ -48,13 +48,14 @@ Simplifications:
        `dense_layers` layers read every page.
 """
 
+import math
 import time
 
 import torch
 import torch.nn.functional as F
 
-from kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots, prefix_index,
-                                         shared_prefix_decode)
+from kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots,
+                                         merge_attention, prefix_index, shared_prefix_decode)
 from kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu
 from moe import record_routes
 from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,
@@ -85,6 +86,7 @@ class PagedKVCache:
                  scorer="centroid", keep_first=1, keep_recent=2, dense_layers=2, lanes=None,
                  rescore_every=1):
         L, self.H, self.D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.G = cfg.num_attention_heads // self.H  # query heads per KV head
         self.page_size, self.num_pages, self.lanes = page_size, num_pages, lanes
         # (L, H_kv, num_pages * page_size, D): head-major, so that a run of token slots of one
         # KV head is contiguous memory; `paged` shows a layer in the kernel's layout
@@ -119,6 +121,8 @@ class PagedKVCache:
         # engine adds the dense layers' and divides by H_kv): the read fraction, counted
         self.read_layer = torch.zeros(L, dtype=torch.long, device=device)
         self._laid = None  # the rows the lanes' index tensors were built for
+        # True: a verify attends through the gather + SDPA reference even on a CPU's lanes (tests)
+        self.verify_ref = False
 
     # ---- bookkeeping
 
@@ -155,6 +159,8 @@ class PagedKVCache:
     def _compact(self, rows):
         """Lanes: the live rows in lanes >= B = len(rows) move to those below B that rows left."""
         holes = sorted(set(range(len(rows))) - {self.lane[r] for r in rows})
+        if not holes:  # the rows hold the first lanes already (a verify's rows: the draft's)
+            return
         src, dst = [], []  # pages
         for r, lane in zip([r for r in rows if self.lane[r] >= len(rows)], holes):
             n, self.lane[r] = self.n_shared[r], lane
@@ -254,9 +260,10 @@ class PagedKVCache:
             self._rows_t = torch.tensor(rows, device=dev)
             self._key = (tuple(rows), tuple(self.n_pages), tuple(n_full), tuple(self.n_read))
 
-    def _lay_lanes(self, rows, lens):
+    def _lay_lanes(self, rows, lens, new=1):
         """The index tensors of `_attend_lanes`, rebuilt when the live rows change: lane order, own
-        tokens per lane (+1 a step), the shared prompts' queries (prefix_index) and lengths."""
+        tokens per lane (+new a call: 1 a decode step, 0 for a verify's cached part), the shared
+        prompts' queries (prefix_index) and lengths."""
         B, dev = len(rows), self.table.device
         if rows != self._laid:
             self._laid, lane = list(rows), [self.lane[r] for r in rows]  # a permutation of 0..B-1
@@ -269,7 +276,7 @@ class PagedKVCache:
             slot = {r: s for s, (_, rs) in enumerate(self.prefixes) for r in rs}
             self._pre = prefix_index([slot.get(rows[j], -1) for j in order],
                                      [n for n, _ in self.prefixes], dev)
-        self._steps += 1  # the new token
+        self._steps += new  # the new token
         self._own = self._own_max + self._steps
         self._own_lens = None if self._own_base is None else self._own_base + self._steps
 
@@ -282,8 +289,13 @@ class PagedKVCache:
         their K and V over whatever the draft wrote there, rewrites the metadata of every page
         they touch that is full afterwards, and attends each new query to its row's whole cache
         up to and including itself (dense, causal within the T). The new positions must lie past
-        the shared prompt pages (completion tokens only)."""
+        the shared prompt pages (completion tokens only).
+            On a CPU with lanes the attention reads the cache in place (`_verify_lanes`); on a GPU,
+        with the free list, or with verify_ref = True, it gathers each row's cache (the reference)."""
         ps, dev = self.page_size, self.table.device
+        lanes = self.lanes is not None and not self.table.is_cuda and not self.verify_ref
+        if lanes:
+            self._compact(rows)  # before pages open: a lane's pages are its row's, in order
         lens = [self.lens[r] for r in rows]
         opened = []
         for r, n in zip(rows, lens):
@@ -301,10 +313,16 @@ class PagedKVCache:
         self._seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev) + T
         self.n_pages = self.n_read = [-(-(n + T) // ps) for n in lens]
         self._table = self.table[torch.tensor(rows, device=dev), :max(self.n_pages)]
-        slots, _ = dense_slots(self._table, self._seq_lens, ps)  # (B, S) every cached token
-        # (B, 1, T, S): new token i of row b sees the keys at positions <= lens[b] + i
-        see = torch.arange(slots.shape[1], device=dev) <= self._pos[:, :, None]
-        self._slots, self._see = slots, see[:, None]
+        if lanes:  # the cached part: the lanes' index tensors, at the lengths before the T
+            self._laid, self._slots = None, None
+            self._lay_lanes(rows, lens, new=0)
+            i = torch.arange(T, device=dev)  # (G * T, T): query g * T + i sees new token j <= i
+            self._causal = i.repeat(self.G)[:, None] >= i
+        else:
+            slots, _ = dense_slots(self._table, self._seq_lens, ps)  # (B, S) every cached token
+            # (B, 1, T, S): new token i of row b sees the keys at positions <= lens[b] + i
+            see = torch.arange(slots.shape[1], device=dev) <= self._pos[:, :, None]
+            self._slots, self._see = slots, see[:, None]
         # pages the new tokens touch that are full once they are in: their metadata is rewritten
         filled = [self.pages[r][j] for r, n in zip(rows, lens)
                   for j in range(n // ps, (n + T) // ps)]
@@ -357,8 +375,9 @@ class PagedKVCache:
             if self.record is not None:
                 self.record.append((self.step, self._rows, layer, sel, n_sel))
             self.read_layer[layer] += n_sel.sum()  # what the selection really reads, all heads
-        if sel is None and self.lanes is not None and not q.is_cuda:
-            y = self._attend_lanes(kp, vp, q[:, :, 0])
+        if sel is None and self.lanes is not None and not q.is_cuda:  # (B, Hkv, G, D) queries
+            y = self._attend_lanes(kp, vp, q[:, :, 0].view(q.shape[0], self.H, -1, self.D))
+            y = y.flatten(1, 2)
         else:
             y = decode_attention(q[:, :, 0], self.paged(self.k, layer), self.paged(self.v, layer),
                                  self._table, self._seq_lens, sel, n_sel, slots=self._slots,
@@ -375,13 +394,18 @@ class PagedKVCache:
 
     def _attend_verify(self, layer, kp, vp, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
         """The verify forward's dense attention: the T new tokens' K and V into their slots (over
-        the draft's), the touched pages' metadata, then one gather of each row's cache through its
-        page table and SDPA with the causal mask of `begin_verify`. Plain PyTorch, every layer."""
+        the draft's), the touched pages' metadata, then the lanes read in place (`_verify_lanes`)
+        or, the reference, one gather of each row's cache through its page table and SDPA with the
+        causal mask of `begin_verify`."""
         B, H, T, D = k.shape
         t0 = time.perf_counter()
         kp.index_copy_(1, self._dst, k.transpose(0, 1).reshape(H, B * T, D).to(kp.dtype))
         vp.index_copy_(1, self._dst, v.transpose(0, 1).reshape(H, B * T, D).to(vp.dtype))
         self._write_meta(layer, self._filled)
+        if self._slots is None:
+            y = self._verify_lanes(kp, vp, q, k.to(kp.dtype), v.to(vp.dtype))
+            self._tick("attn", t0)
+            return y
         S = self._slots.shape[1]
         # (B, Hkv, S, D): the pool is head-major, so one index_select over its token slots
         kc, vc = (p.index_select(1, self._slots.view(-1)).view(H, B, S, D).transpose(0, 1)
@@ -391,23 +415,42 @@ class PagedKVCache:
         self._tick("attn", t0)
         return y  # (B, Hq, T, D)
 
-    def _attend_lanes(self, kp, vp, q):  # kp, vp (Hkv, slots, D); q (B, Hq, D) -> (B, Hq, D)
-        """CPU dense decode on the lanes: the live rows' own tokens are one strided view of the
-        pool, read in place; a shared prompt is read once per group, merged by log-sum-exp."""
-        (S, P, R), ps, H, D, B = self.lanes, self.page_size, self.H, self.D, q.shape[0]
+    def _attend_lanes(self, kp, vp, qg, lse=False):  # kp, vp (Hkv, slots, D); qg (B, Hkv, M, D)
+        """CPU dense attention on the lanes, for M queries a KV head (a decode step's G query
+        heads, a verify's G * T): the live rows' own tokens are one strided view of the pool, read
+        in place; a shared prompt is read once per group, merged by log-sum-exp. -> (B, Hkv, M,
+        D), and with lse=True each query's log-sum-exp (B, Hkv, M) too."""
+        (S, P, R), ps, H, D, B = self.lanes, self.page_size, self.H, self.D, qg.shape[0]
         # (n, Hkv, T, D) views, no copy: n runs of `size` token slots from slot `first`, cut to T
         runs = lambda t, first, n, size, T: (t[:, first:first + n * size].view(H, n, size, D)
                                              [:, :, :T].transpose(0, 1))
-        qg = q.view(B, H, -1, D)  # the G query heads of each KV head as G queries
         if self._by_lane is not None:  # rows moved by _compact: q in lane order, and back below
             qg = qg.index_select(0, self._by_lane)
         own = [runs(t, S * P * ps, B, R * ps, self._own) for t in (kp, vp)]
         if self._pre is None:
-            y = attend_rows(qg, *own, self._own_lens)
+            y = attend_rows(qg, *own, self._own_lens, lse=lse)
         else:
             pre = [runs(t, 0, S, P * ps, self._pre[0]) for t in (kp, vp)]
-            y = shared_prefix_decode(qg, *own, self._own_lens, *pre, self._pre)
-        return (y if self._by_lane is None else y.index_select(0, self._lane)).view(B, -1, D)
+            y = shared_prefix_decode(qg, *own, self._own_lens, *pre, self._pre, lse=lse)
+        if self._by_lane is None:
+            return y
+        back = lambda t: t.index_select(0, self._lane)  # (B, ...) lane order -> the rows' order
+        return tuple(map(back, y)) if lse else back(y)
+
+    def _verify_lanes(self, kp, vp, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
+        """The verify's attention on a CPU's lanes, in two parts merged by log-sum-exp. (a) The
+        row's cache before the T new tokens: each of the T queries sees the same keys there, so
+        they join their KV head's group as G * T queries of one decode step, read in place by
+        `_attend_lanes` (the shared prompt once a group). (b) The T new tokens among themselves,
+        causal: a (G * T) x T attention over the k and v that the forward just made."""
+        B, Hq, T, D = q.shape
+        qg = q.reshape(B, self.H, -1, D)  # (B, Hkv, G * T, D): head h * G + g, token i -> g * T + i
+        y, lse = self._attend_lanes(kp, vp, qg, lse=True)
+        s = (qg.float() @ k.float().transpose(-1, -2)) * D ** -0.5  # (B, Hkv, G * T, T)
+        s = s.masked_fill(~self._causal, -math.inf)
+        lse_new = s.logsumexp(-1)  # finite: every query sees itself
+        y_new = (s - lse_new[..., None]).exp() @ v.float()
+        return merge_attention(y, lse, y_new, lse_new).view(B, Hq, T, D).to(q.dtype)
 
     def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
         meta = [m[layer] for m in (self.kmin, self.kmax) if m is not None] or [self.kmean[layer]]

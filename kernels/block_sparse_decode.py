@@ -447,9 +447,9 @@ def attend_rows(q, k, v, lens=None, lse=False):
     """Decode attention of q (B, H_kv, M, D), the M = G query heads of each KV head (or more: the
     rows of a group over their shared prompt), over K, V (B, H_kv, T, D) with any strides, e.g. a
     strided view of a cache whose rows are contiguous runs (no gather); row b reads its first
-    lens[b] keys (None: all T; each row must read a key). Returns out (B, H_kv, M, D) in q's dtype,
-    and with lse=True also the log-sum-exp of each query's scaled scores (B, H_kv, M), for
-    merge_attention. On a CPU the C++ kernel reads the runs in one pass (attend_runs_cpu); SDPA's
+    lens[b] keys (None: all T; each row must read a key unless lse=True). Returns out (B, H_kv, M,
+    D) in q's dtype, and with lse=True also the log-sum-exp of each query's scaled scores (B, H_kv,
+    M), for merge_attention (a row with no key: zeros and -inf). On a CPU the C++ kernel reads the runs in one pass (attend_runs_cpu); SDPA's
     CPU flash kernel, with a length mask, where it cannot."""
     fast = attend_runs_cpu(q, k, v, lens) if not q.is_cuda else None
     if fast is not None:
@@ -458,7 +458,9 @@ def attend_rows(q, k, v, lens=None, lse=False):
     mask = None if lens is None else length_mask(lens, k.shape[2], q.dtype)
     if not lse:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)
+    out, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask)[:2]
+    # a row with no key: the flash kernel gives zeros and lse 0, where a merge needs -inf
+    return out, l if lens is None else l.masked_fill((lens == 0)[:, None, None], -math.inf)
 
 
 def merge_attention(o1, lse1, o2, lse2):
@@ -492,15 +494,16 @@ def prefix_index(slot_of, slot_lens, device):
             t(member), t(lone)[:, None, None] if any(lone) else None)
 
 
-def shared_prefix_decode(q, k, v, lens, k_pre, v_pre, pre):
+def shared_prefix_decode(q, k, v, lens, k_pre, v_pre, pre, lse=False):
     """Dense decode of q (B, H_kv, G, D) over each row's own keys k, v (B, H_kv, T, D) (lens: see
     attend_rows) and over the prompt it shares with its group, stored once per prefix slot: k_pre,
     v_pre (S, H_kv, n, D). Each slot's prompt is read once, its rows' queries side by side (pre =
-    prefix_index(...)); the two parts merge by log-sum-exp. -> (B, H_kv, G, D)"""
+    prefix_index(...)); the two parts merge by log-sum-exp. -> (B, H_kv, G, D), and with lse=True
+    also the log-sum-exp over both parts (B, H_kv, G), as attend_rows gives it."""
     _, pre_lens, q_idx, slot, member, lone = pre
     B, H, G, D = q.shape
     S = k_pre.shape[0]
-    y, lse = attend_rows(q, k, v, lens, lse=True)
+    y, lse_own = attend_rows(q, k, v, lens, lse=True)
     # (S, Hkv, R * G, D): the queries of each slot's rows, one copy
     qp = q.transpose(0, 1).index_select(1, q_idx).view(H, S, -1, D).transpose(0, 1)
     yp, lp = attend_rows(qp, k_pre, v_pre, pre_lens, lse=True)
@@ -508,7 +511,8 @@ def shared_prefix_decode(q, k, v, lens, k_pre, v_pre, pre):
     yp, lp = yp.unflatten(2, (R, G))[slot, :, member], lp.unflatten(2, (R, G))[slot, :, member]
     if lone is not None:  # rows without a shared prompt: their own part alone
         lp = lp.masked_fill(lone, -math.inf)
-    return merge_attention(y, lse, yp, lp)
+    y = merge_attention(y, lse_own, yp, lp)
+    return (y, torch.logaddexp(lse_own, lp)) if lse else y
 
 
 # -----------------------------------------------------------------------------

@@ -20,7 +20,8 @@
 //
 // `attend_runs` is dense decode where each (row, KV head)'s keys are one contiguous run (the
 // engine's lanes), through the same `Online` pass, in place of SDPA's CPU flash kernel, which is
-// built for many queries where a row of decode has one.
+// built for many queries where a row of decode has one. Any number of queries M: in chunks of the
+// instances' sizes (a speculative verify's G * T queries share the run's keys).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -456,18 +457,27 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
     const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
     const float* qp = q.data_ptr<float>();
     float *op = out.data_ptr<float>(), *lsp = lse.data_ptr<float>();
-    done = with_shape(M, D, [&](auto m, auto d) {
-      constexpr int MM = decltype(m)::value, DD = decltype(d)::value;
-      at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t bh = begin; bh < end; ++bh) {
-          const int64_t b = bh / H, h = bh % H;
-          const int64_t n = lp ? std::min<int64_t>(lp[b], T_) : T_;
-          Online<scalar_t, MM, DD> acc(qp + bh * MM * DD, sc);
-          acc.add_run(kp + b * k.stride(0) + h * k.stride(1),
-                      vp + b * v.stride(0) + h * v.stride(1), n);
-          acc.finish(op + bh * MM * DD, lsp + bh * MM);
+    done = with_shape(1, D, [](auto, auto) {});
+    if (!done) return;
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        const int64_t n = lp ? std::min<int64_t>(lp[b], T_) : T_;
+        const scalar_t *kr = kp + b * k.stride(0) + h * k.stride(1);
+        const scalar_t *vr = vp + b * v.stride(0) + h * v.stride(1);
+        // the M queries in chunks that have an instance (8, 4, 3, 2, 1), each chunk reading the
+        // run while the one before left it in cache (a verify's G * T queries: any M)
+        for (int64_t m0 = 0; m0 < M;) {
+          const int64_t mc = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0;
+          with_shape(mc, D, [&](auto m, auto d) {
+            constexpr int MM = decltype(m)::value, DD = decltype(d)::value;
+            Online<scalar_t, MM, DD> acc(qp + (bh * M + m0) * DD, sc);
+            acc.add_run(kr, vr, n);
+            acc.finish(op + (bh * M + m0) * DD, lsp + bh * M + m0);
+          });
+          m0 += mc;
         }
-      });
+      }
     });
   });
   if (!done) return {};

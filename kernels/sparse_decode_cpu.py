@@ -141,8 +141,9 @@ def attend_runs_cpu(q, k, v, lens=None, scale=None):
     (B, H_kv, T, D) views whose tokens are contiguous (any row and head strides: the engine's
     lanes, read in place), the first lens[b] keys of row b (None: all T), in the C++ kernel.
     -> (out (B, H_kv, M, D) float32, lse (B, H_kv, M) float32), a row with no key giving zeros and
-    -inf; None without the kernel or where it has no instance (M not in 1, 2, 3, 4, 8, or D not
-    in 32, 64, 128): the caller runs SDPA."""
+    -inf. Any M (the queries go in chunks of 8, 4, 3, 2 or 1, each chunk reading the run while the
+    last one left it in cache); None without the kernel or where it has no instance (D not in 32,
+    64, 128): the caller runs SDPA."""
     ext = cpu_kernel()
     D = q.shape[-1]
     if (ext is None or q.is_cuda or any(t.stride(-1) != 1 or t.stride(-2) != D for t in (k, v))

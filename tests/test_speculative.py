@@ -183,6 +183,48 @@ def test_cache_after_rejections_equals_a_fresh_prefill(monkeypatch, num_pages):
         assert torch.allclose(meta[:, :full].flatten(0, 1), mean, atol=1e-4), f"row {r}: meta"
 
 
+def verify_cache(m, steps, verify_ref):
+    """A lanes cache of 3 prompts x 2 rows (pages of 4) after the prefill and `steps` decode steps,
+    row 1 released after the first (row 5 moves into its lane) -> (cache, live rows). Rows 0, 1
+    share 5 prompt pages and own a partial one; rows 2, 3 share 2 and own nothing at step 0; rows
+    4, 5 share none (3 tokens)."""
+    prompts = [PROMPT, PROMPT[:8], PROMPT[:3]]
+    eng = Engine(m, Ids(), max_new_tokens=20, eos_ids=[-1], page_size=4, speculative=7)
+    groups = eng._groups(prompts, 2)
+    cache, live = eng._new_cache(groups, 6), list(range(6))
+    cache.verify_ref = verify_ref
+    with torch.no_grad():
+        eng._prefill(cache, groups, 6)
+        for step in range(steps):
+            if step == 1:
+                cache.release(1)
+                live = [0, 2, 3, 4, 5]
+            cache.begin_decode(live)
+            m(torch.tensor([[(3 * r + step) % 8] for r in live]), cache=cache)
+    return cache, live
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3])
+@pytest.mark.parametrize("T", [1, 4, 7])
+def test_verify_on_the_lanes_equals_the_gather_reference(T, steps):
+    """The verify's attention on a CPU's lanes (the cache before the new tokens read in place, its
+    T queries as G * T of a decode step, merged by log-sum-exp with the causal T x T part) equals
+    the reference (each row's cache gathered, SDPA with a mask): rows with and without a shared
+    prompt, with no own token yet, and moved between lanes; and it writes the same pool."""
+    m = tiny_model()
+    (fast, live), (ref, _) = (verify_cache(m, steps, r) for r in (False, True))
+    g = torch.Generator().manual_seed(T + steps)
+    q, k, v = (torch.randn(len(live), H, T, 8, generator=g) for H in (4, 2, 2))
+    for layer in (0, 1):
+        fast.begin_verify(live, T), ref.begin_verify(live, T)
+        y, y_ref = (c.attend(layer, q * (layer + 1), k, v) for c in (fast, ref))
+        assert fast._slots is None and ref._slots is not None  # the two paths ran
+        assert torch.allclose(y, y_ref, atol=1e-5, rtol=0), (y - y_ref).abs().max()
+        for c in (fast, ref):
+            c.advance(T)
+    assert torch.equal(fast.k, ref.k) and torch.equal(fast.v, ref.v)
+
+
 def test_behaviour_logprobs_are_the_trainers_dense_logprobs():
     """ro.logp of a sparse-drafted speculative rollout equals sparsity.dense_logprobs (a plain
     full forward, what the trainer recomputes) on the same weights, at temperature and top-p; and
