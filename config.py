@@ -14,6 +14,7 @@ run used to out_dir/config.json.
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import os
 import re
 import sys
@@ -53,6 +54,13 @@ class Config:
     # "max_terms": 4}; checked against the generator's own config when the config is parsed.
     # n_train, n_eval and seed set the sizes and seeds: "size" and "seed" are refused here
     rg_kwargs: dict = field(default_factory=dict)
+    # ... and what differs, merged over rg_kwargs, for the warm start's SFT data and for the
+    # held-out set (e.g. {"max_terms": 4}): RL trains past SFT's range, held out reaches past RL's
+    sft_rg_kwargs: dict = field(default_factory=dict)
+    eval_rg_kwargs: dict = field(default_factory=dict)
+    # question: the prompt is the item's question and tasks.RG_INSTRUCTION; expression: its
+    # metadata's expression and "=" alone (chain_sum: "47+35-19="), compact for the character model
+    rg_prompt: str = "question"
     # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
     data: str = ""
     difficulty: tuple = (2, 8)  # synthetic task: range of chain lengths
@@ -62,7 +70,9 @@ class Config:
     n_train: int = 0
     n_eval: int = 500  # held-out problems
     eval_difficulty: tuple = ()  # synthetic held-out range of chain lengths (empty: difficulty)
-    eval_sampled: bool = False  # also score the start's pass@1 and pass@group_size, sampled
+    # also the start's and the end's pass@1 .. pass@k, sampled: k = eval_k (0: group_size) samples
+    eval_sampled: bool = False  # per problem, pass@1, 8, 64, ... and pass@k from them
+    eval_k: int = 0
     # warm start (the tiny model only)
     sft_steps: int = 600
     sft_batch: int = 16
@@ -206,6 +216,9 @@ class Config:
     eval_every: int = 25
     save_every: int = 25
     plot: bool = True
+    # an experiment tracker beside metrics.jsonl (report.Tracker), its package optional:
+    # none | trackio (local, offline) | wandb (offline unless WANDB_MODE says otherwise)
+    tracker: str = "none"
     # shard weights, gradients and optimizer state (FSDP2 fully_shard); rollouts use a full replica
     fsdp: bool = False
     # disaggregated mode under torchrun: the last `rollout_ranks` ranks only generate, the others
@@ -286,7 +299,8 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "rollout_mode": ("sparse", "speculative"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
            "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
-           "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update")}
+           "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update"),
+           "rg_prompt": ("question", "expression"), "tracker": ("none", "trackio", "wandb")}
 POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head",
             "n_kv_head", "ffn", "moe_ffn", "prompts_per_step", "max_new_tokens", "page_size",
             "kv_bin_pages", "kv_rescore_every", "spec_k",
@@ -298,7 +312,7 @@ NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_com
                 "distill_r", "distill_coef", "refill_tries", "min_spread", "max_chars",
                 "overlong_buffer", "overlong_penalty", "steps", "warmup_steps", "weight_decay",
                 "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise", "n_expert",
-                "moe_aux_coef", "sft_max_lines")
+                "moe_aux_coef", "sft_max_lines", "eval_k")
 UNIT = ("sft_noise", "sft_slip", "top_p", "kv_target", "explore", "min_lr_ratio", "lora_dropout",
         "clip_low")  # within [0, 1]
 
@@ -377,6 +391,9 @@ def check(cfg):
                         "sharded)")
     if cfg.n_expert and not 1 <= cfg.n_expert_active <= cfg.n_expert:
         raise bad("n_expert_active", f"within [1, n_expert={cfg.n_expert}]")
+    if cfg.tracker != "none" and importlib.util.find_spec(cfg.tracker) is None:  # not after SFT
+        raise ValueError(f"config key 'tracker' is {cfg.tracker!r}, but {cfg.tracker} is not "
+                         f"installed: `pip install {cfg.tracker}`, or --tracker=none")
     check_kv_budget(cfg)
     check_processes(cfg)
     check_task(cfg)
@@ -428,19 +445,23 @@ def check_kv_budget(cfg):
 
 
 RG_PREFIX = "reasoning_gym:"
+TEACHER_TASKS = ("chain_sum",)  # reasoning-gym tasks whose traces the tiny model's teacher writes
 
 
 def check_task(cfg):
-    """task and rg_kwargs. A reasoning_gym task names one of the library's generators, and
-    rg_kwargs may set only the fields of that generator's config (its own validate() then checks
-    their values): a misspelt name or setting is refused here, with the names it could be."""
+    """task and its reasoning-gym settings. A reasoning_gym task names one of the library's
+    generators; rg_kwargs, and rg_kwargs merged with sft_rg_kwargs or eval_rg_kwargs, may set only
+    the fields of that generator's config (its own validate() then checks their values): a
+    misspelt name or setting is refused here, with the names it could be."""
+    rg_keys = ("rg_kwargs", "sft_rg_kwargs", "eval_rg_kwargs")
     if not cfg.task.startswith(RG_PREFIX):
         if cfg.task not in ("synthetic", "gsm8k", "math", "code"):
             raise ValueError(f"config key 'task' must be synthetic, gsm8k, math, code or "
                              f"{RG_PREFIX}<name>, got {cfg.task!r}")
-        if cfg.rg_kwargs:
-            raise ValueError(f"config key 'rg_kwargs' must be empty unless task is "
-                             f"{RG_PREFIX}<name>, got {cfg.rg_kwargs!r}")
+        for k, want in [(k, "empty") for k in rg_keys] + [("rg_prompt", "question")]:
+            if getattr(cfg, k) not in ({}, "question"):
+                raise ValueError(f"config key '{k}' must be {want} unless task is "
+                                 f"{RG_PREFIX}<name>, got {getattr(cfg, k)!r}")
         return
     try:  # lazy: 1.5 s to import, and only these tasks need it
         from reasoning_gym.factory import DATASETS
@@ -452,30 +473,44 @@ def check_task(cfg):
         near = difflib.get_close_matches(name, DATASETS, n=3)
         raise ValueError(f"config key 'task': reasoning-gym has no dataset {name!r}"
                          + (f" (did you mean {', '.join(near)}?)" if near else ""))
-    config_cls = DATASETS[name][1]
+    for k in rg_keys:
+        check_rg_kwargs(k, name, DATASETS[name][1],
+                        {**cfg.rg_kwargs, **getattr(cfg, k)} if k != "rg_kwargs" else cfg.rg_kwargs)
+    if cfg.rg_prompt == "expression":
+        item = DATASETS[name][0](DATASETS[name][1](**cfg.rg_kwargs, size=1, seed=0))[0]
+        expr = item.get("metadata", {}).get("expression")
+        if not isinstance(expr, str) or expr not in item["question"]:  # countdown's: its answer
+            raise ValueError(f"config key 'rg_prompt': {name}'s questions are not their metadata's "
+                             f"'expression' (chain_sum's are); use question")
+    if not cfg.model and name not in TEACHER_TASKS:  # warmstart.teacher_trace writes no others
+        raise ValueError(f"config key 'task' ({cfg.task}) needs model=<a hub name or folder>: "
+                         f"the tiny model's warm start has teacher traces only for "
+                         f"{', '.join(TEACHER_TASKS)} and the synthetic task")
+
+
+def check_rg_kwargs(key, name, config_cls, kwargs):
+    """One set of a generator's settings: known fields, not size or seed, and values its own
+    config accepts."""
     settings = sorted(f.name for f in dataclasses.fields(config_cls)
                       if f.name not in ("size", "seed"))
-    ours = [k for k in cfg.rg_kwargs if k in ("size", "seed")]
+    ours = [k for k in kwargs if k in ("size", "seed")]
     if ours:
-        raise ValueError(f"config key 'rg_kwargs' may not set {' or '.join(ours)}: n_train, "
+        raise ValueError(f"config key '{key}' may not set {' or '.join(ours)}: n_train, "
                          f"n_eval and seed set the sizes and seeds of {name}")
-    unknown = [k for k in cfg.rg_kwargs if k not in settings]
+    unknown = [k for k in kwargs if k not in settings]
     if unknown:
         near = difflib.get_close_matches(str(unknown[0]), settings, n=1)
-        raise ValueError(f"config key 'rg_kwargs': {name} has no setting "
+        raise ValueError(f"config key '{key}': {name} has no setting "
                          f"{', '.join(map(repr, unknown))}"
                          + (f" (did you mean {near[0]!r}?)" if near else "")
                          + f"; its settings: {', '.join(settings)}")
     try:  # the generator's own checks of the values (min <= max, ...), before any generation
-        made = config_cls(**cfg.rg_kwargs)
+        made = config_cls(**kwargs)
         if hasattr(made, "validate"):
             made.validate()
     except Exception as e:
-        raise ValueError(f"config key 'rg_kwargs': {name} refuses {cfg.rg_kwargs!r}: "
+        raise ValueError(f"config key '{key}': {name} refuses {kwargs!r}: "
                          f"{type(e).__name__}: {e}") from None
-    if not cfg.model:  # warmstart.py writes synthetic traces only
-        raise ValueError(f"config key 'task' ({cfg.task}) needs model=<a hub name or folder>: "
-                         f"the tiny model's warm start has no teacher traces for it yet")
 
 
 def check_processes(cfg):

@@ -526,11 +526,12 @@ def load_mbpp(source: str = "google-research-datasets/mbpp", split: str = "train
 
 
 def make_reasoning_gym(name: str, n: int, seed: int, kwargs: Optional[dict] = None,
-                       chars: Optional[str] = None) -> list[Problem]:
+                       chars: Optional[str] = None, prompt: str = "question") -> list[Problem]:
     """n items of reasoning-gym's generator `name`, with its settings `kwargs`, as Problems: item i
     is drawn from seed + i, so the same arguments give the same problems. Items with no usable
     question or answer, and (with `chars`, the character tokenizer's) items that use a character
-    outside `chars`, are skipped with one warning that counts them (ValueError if none is left)."""
+    outside `chars`, are skipped with one warning that counts them (ValueError if none is left).
+    prompt "expression": the metadata's expression, unspaced, and "=" ("47+35-19=")."""
     import reasoning_gym  # lazy: 1.5 s to import, and only these tasks need it
 
     kwargs = dict(kwargs or {})
@@ -551,6 +552,9 @@ def make_reasoning_gym(name: str, n: int, seed: int, kwargs: Optional[dict] = No
         d = _rg_difficulty(item.get("metadata"))
         if d is not None:
             meta["difficulty"] = d
+        if prompt == "expression":  # config.check_task: the expression is the question
+            return Problem(item["metadata"]["expression"].replace(" ", "") + "=", a,
+                           "reasoning_gym", meta), None
         return Problem(q.strip() + RG_INSTRUCTION, a, "reasoning_gym", meta), None
 
     return _collect((data[i] for i in range(n)), parse, RG_PREFIX + name, None)
@@ -582,23 +586,26 @@ def sft_problems(cfg) -> list[Problem]:
     """The synthetic warm start's SFT data (its prompts; the teacher writes the traces)."""
     if cfg.task.startswith(RG_PREFIX):
         return make_reasoning_gym(cfg.task[len(RG_PREFIX):], cfg.sft_steps * cfg.sft_batch,
-                                  sft_seed(cfg) + 2 * RG_SPLIT, cfg.rg_kwargs, CHARS)
+                                  sft_seed(cfg) + 2 * RG_SPLIT, {**cfg.rg_kwargs,
+                                  **cfg.sft_rg_kwargs}, CHARS, cfg.rg_prompt)
     return make_synthetic(cfg.sft_steps * cfg.sft_batch, sft_seed(cfg) + 20_000,
                           cfg.sft_difficulty or cfg.difficulty, cfg.order)
 
 
 def load_problems(cfg) -> tuple[list[Problem], list[Problem]]:
     """-> (training pool, held-out problems) for config keys task, data, n_train, n_eval,
-    difficulty, eval_difficulty, order, rg_kwargs. Synthetic and reasoning-gym held-out problems
+    difficulty, eval_difficulty, order, rg_kwargs (eval_rg_kwargs over it for the held-out set),
+    rg_prompt. Synthetic and reasoning-gym held-out problems
     share no prompt with the pool or, for the embedded warm start, with its SFT data: held out
     means never trained on."""
     if cfg.task.startswith(RG_PREFIX):  # the tiny model reads characters: only those it knows
         name, chars = cfg.task[len(RG_PREFIX):], None if cfg.model else CHARS
-        pool = make_reasoning_gym(name, cfg.n_train or 20_000, cfg.seed, cfg.rg_kwargs, chars)
+        pool = make_reasoning_gym(name, cfg.n_train or 20_000, cfg.seed, cfg.rg_kwargs, chars,
+                                  cfg.rg_prompt)
         seen = {p.prompt for p in pool + ([] if cfg.model else sft_problems(cfg))}
         fresh = []  # twice as many drawn: small generators repeat questions
         for p in make_reasoning_gym(name, 2 * cfg.n_eval + 100, cfg.seed + RG_SPLIT,
-                                    cfg.rg_kwargs, chars):
+                                    {**cfg.rg_kwargs, **cfg.eval_rg_kwargs}, chars, cfg.rg_prompt):
             if p.prompt not in seen:
                 seen.add(p.prompt)  # no question twice in the held-out set either
                 fresh.append(p)

@@ -10,13 +10,14 @@ synthetic task's traces.
 What it does:
     1. build_policy: the tokenizer and the model, in the config's dtype.
     2. warm_start: SFT from scratch (or from sft_init: a checkpoint, or another config's warm start)
-       on teacher traces, cached under a key of every setting that shapes it (cache_path: out_dir's
+       on teacher traces (the synthetic task's, or reasoning-gym chain_sum's: chain_sum_trace), cached under a key of every setting that shapes it (cache_path: out_dir's
        parent/warmstart-cache/sft-<hash>), so runs in other out_dirs share it; a change of any of
        those settings builds a new one.
 
 Simplifications:
     1. The teacher is the task's reference trace, with an optional planted error (sft_noise, see
-       teacher_trace) or, on order "marked", an optional slip at each carry (sft_slip).
+       teacher_trace) or, on order "marked", an optional slip at each carry (sft_slip). On
+       reasoning-gym's chain_sum it is exact: every line of its trace is arithmetic that holds.
     2. The SFT loop is plain: one AdamW, warmup then cosine, no packing, no evaluation.
 """
 
@@ -52,6 +53,22 @@ def tiny_model_config(cfg, tok):
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **moe)
 
 
+def chain_sum_trace(problem):
+    """reasoning-gym chain_sum's exact trace, written from the item's metadata (its expression):
+    the first term, then each step's operator and next term and the running total, every total
+    signed and in two digits so that a digit always sits at the same place in its step; the
+    answer follows "####": "63 - 15 + 43" -> "+063-15=+048+43=+091\n#### 91". A step reads the
+    total it has just written and one term of the prompt, the same step at any number of terms;
+    the totals a long chain reaches (past 200, below -100) are what short ones rarely show."""
+    expr = problem.meta["entry"]["metadata"]["expression"].split()  # "63", "-", "15", ...
+    total = int(expr[0])
+    steps = [f"{total:+03d}"]
+    for op, term in zip(expr[1::2], expr[2::2]):
+        total += int(term) if op == "+" else -int(term)
+        steps.append(f"{op}{term}={total:+03d}")
+    return "".join(steps) + f"\n#### {total}"
+
+
 def teacher_trace(problem, noise, rng, slip=0.0, max_lines=0):
     """The SFT target: the task's reference trace, except that with probability `noise` the teacher
     ends on the value it looked up last instead of the running sum ("a=7>7 b=2>9 #2" instead of
@@ -61,6 +78,8 @@ def teacher_trace(problem, noise, rng, slip=0.0, max_lines=0):
     that probability the teacher adds the carry into the units digit and carries on from its own
     wrong total ("7>7,5>3." instead of "7>7,5>2."): a weak learner's slip, which comes with the
     input and compounds along the chain; order "lagged": see tasks.lagged_trace."""
+    if problem.task == "reasoning_gym":  # config.TEACHER_TASKS: chain_sum, exact
+        return chain_sum_trace(problem)
     if is_lagged(problem.prompt):  # max_lines > 0: at most that many lines (a prefix, no end)
         return lagged_trace(problem.prompt, slip, rng, max_lines)[0]
     if slip > 0:
@@ -97,6 +116,9 @@ def sft_key(cfg):
         key.update(sft_slip=cfg.sft_slip)
     if cfg.sft_max_lines:
         key.update(sft_max_lines=cfg.sft_max_lines)
+    if cfg.task != "synthetic":  # a reasoning-gym task: its SFT data (the synthetic key stays)
+        key.update(task=cfg.task, rg_prompt=cfg.rg_prompt,
+                   rg_kwargs={**cfg.rg_kwargs, **cfg.sft_rg_kwargs})
     if cfg.n_expert:  # only MoE keys where they apply: a dense model's cache keeps its key
         key.update(n_expert=cfg.n_expert, n_expert_active=cfg.n_expert_active, moe_ffn=cfg.moe_ffn)
     return json.loads(json.dumps({**key, "sft_difficulty": cfg.sft_difficulty or cfg.difficulty}))

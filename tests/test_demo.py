@@ -23,8 +23,9 @@ def test_held_out_problems_share_no_prompt_with_the_pool_or_the_sft_data():
     assert len(held) == 200 and not ({p.prompt for p in held} & seen)
     raw = make_synthetic(200, cfg.seed + 10_000, (2, 3))  # what the held-out set was before the filter
     assert {p.prompt for p in raw} & seen
-    # and the default's own sets: held out 2-12, RL pool 2-10, SFT data 2-6
-    cfg = config.parse_config(["--n_train=3000", "--sft_steps=100"])
+    # and configs/marked.py's sets: held out 2-12, RL pool 2-10, SFT data 2-6 (the default's:
+    # tests/test_reasoning_gym.py)
+    cfg = config.parse_config(["configs/marked.py", "--n_train=3000", "--sft_steps=100"])
     pool, held = load_problems(cfg)
     assert len(held) == cfg.n_eval and {p.meta["difficulty"] for p in held} == set(range(2, 13))
     assert not ({p.prompt for p in held} & {p.prompt for p in pool + sft_problems(cfg)})
@@ -42,8 +43,11 @@ def test_a_run_reports_accuracy_per_difficulty_and_examples(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "held-out accuracy by difficulty" in text and "before RL:" in text and "after RL:" in text
     assert os.path.exists(os.path.join(out, "run.png"))
+    end = hist["end"]  # the same figures after RL
+    assert sorted(end["greedy"]) == [1, 2, 3] and sorted(end["pass@4"]) == [1, 2, 3]
     lines = report.per_difficulty(hist, hist["records"][-1], 4)
-    assert len(lines) == 3 + 3 and all(len(line) <= 100 for line in lines)
+    assert len(lines) == 4 + 3 and all(len(line) <= 100 for line in lines)
+    assert lines[3].split() == ["greedy", "pass@1", "pass@4"] * 2
 
 
 def test_the_warm_start_is_cached_by_its_settings_not_by_the_output_folder(tmp_path, capsys):

@@ -4,6 +4,7 @@ rows at load and at scoring, and the one-GPU recipe built offline. One verify wo
 (starting one costs about 2.5 s: sympy and reasoning-gym)."""
 import dataclasses
 import os
+import re
 import sys
 import warnings
 
@@ -17,6 +18,7 @@ from config import Config, parse_config  # noqa: E402
 from reward import Cascade, score_one  # noqa: E402
 from tasks import (CHARS, RG_INSTRUCTION, RG_SPLIT, Problem, build_char_tokenizer,  # noqa: E402
                    encode_pool, format_prompt, load_problems, make_reasoning_gym, sft_problems)
+from warmstart import chain_sum_trace, sft_key, teacher_trace  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["chain_sum", "basic_arithmetic", "countdown", "gsm_symbolic", "number_sorting", "leg_counting"]
@@ -102,7 +104,7 @@ def test_items_with_characters_the_char_tokenizer_lacks_are_skipped_and_named():
 
 def rg_config(**kw):
     """A config for the tiny model's path (model empty: the char tokenizer, SFT data held out too),
-    built without parse_config, which refuses that pairing until the warm start has a teacher."""
+    built without parse_config's checks."""
     base = dict(task="reasoning_gym:chain_sum", rg_kwargs={"min_terms": 2, "max_terms": 4}, n_train=200,
                 n_eval=40, sft_steps=10, sft_batch=4, seed=0)
     return Config(**{**base, **kw})
@@ -160,8 +162,9 @@ def test_config_file_and_command_line_give_rg_kwargs_as_a_dict(tmp_path):
     assert cfg.rg_kwargs == {"max_target": 500}
     with pytest.raises(ValueError, match="rg_kwargs' wants dict"):
         parse_config([str(path), "--rg_kwargs=3"])
-    with pytest.raises(ValueError, match="needs model="):  # the tiny model has no teacher yet
-        parse_config(["--task=reasoning_gym:countdown"])
+    with pytest.raises(ValueError, match="needs model="):  # the tiny model has no teacher for it
+        parse_config(["configs/marked.py", "--task=reasoning_gym:countdown"])
+    assert parse_config(["configs/marked.py", "--task=reasoning_gym:chain_sum"]).model == ""
 
 
 def test_a_row_without_an_answer_is_skipped_and_counted(monkeypatch):
@@ -211,3 +214,65 @@ def test_the_countdown_recipe_parses_and_builds_its_task_offline():
         meta = p.meta["entry"]["metadata"]
         assert 3 <= len(meta["numbers"]) <= 4 and 10 <= meta["target"] <= 100
         assert score_one(p, f"#### {p.answer}") == 1.0
+
+
+# ------------------------------------------------------------- the embedded default: chain_sum, clean teacher
+
+
+@pytest.mark.parametrize("kw", [{"min_digits": 1, "max_digits": 1, "min_terms": 1, "max_terms": 10},
+                                {"min_digits": 2, "max_digits": 2, "min_terms": 2, "max_terms": 12}])
+def test_the_chain_sum_teacher_is_exact(kw, cascade):
+    """Every line of the teacher's trace is arithmetic that holds, its terms are the expression's in
+    order, and its final answer scores 1 through the cascade: no planted error."""
+    ps = make_reasoning_gym("chain_sum", 60, seed=3, kwargs=kw, prompt="expression")
+    traces = [teacher_trace(p, 0.0, None) for p in ps]
+    assert traces == [chain_sum_trace(p) for p in ps]
+    for p, t in zip(ps, traces):
+        body, _, answer = t.partition("\n#### ")
+        terms = p.prompt[:-1].replace("-", " - ").replace("+", " + ").split()  # "7-3+5=" -> 7 - 3 + 5
+        assert p.meta["entry"]["metadata"]["expression"].split() == terms
+        first, rest = re.fullmatch(r"([+-]\d+)((?:[+-]\d+=[+-]\d+)*)", body).groups()
+        total, steps = int(first), re.findall(r"([+-])(\d+)=([+-]\d+)", rest)  # "-3=+04"
+        assert total == int(terms[0]) and len(steps) == len(terms) // 2
+        for (op, term, new), want_op, want_term in zip(steps, terms[1::2], terms[2::2]):
+            assert (op, term) == (want_op, want_term)
+            assert int(new) == (total + int(term) if op == "+" else total - int(term))
+            total = int(new)
+        assert len(first) == 3 and all(len(new) >= 3 for *_, new in steps)  # signed, 2+ digits
+        assert answer == str(total) == p.answer
+    res = cascade.score_batch(ps, traces)
+    assert res.rewards == [1.0] * len(ps) and set(res.stages) == {"exact"}
+
+
+def test_the_default_runs_chain_sum_on_a_ladder_past_sft_and_past_rl():
+    """The embedded default: SFT's range below RL's below the held-out set's, each drawn from its own
+    settings; the held-out problems share no prompt with the pool or the SFT data; the sampler
+    follows the growth zone; the tiny model's warm start key names its task and SFT settings."""
+    cfg = parse_config(["--n_train=600", "--sft_steps=40", "--n_eval=80"])
+    assert cfg.task == "reasoning_gym:chain_sum" and not cfg.model and cfg.sampler == "growth"
+    assert cfg.rg_prompt == "expression" and cfg.eval_sampled and cfg.eval_k == 64
+    pool, held = load_problems(cfg)
+    sft = sft_problems(cfg)
+    terms = lambda ps: {p.meta["difficulty"] for p in ps}
+    assert terms(sft) == {2, 3, 4} and terms(pool) == set(range(2, 8))
+    assert max(terms(held)) == 10 and {8, 9, 10} <= terms(held) <= set(range(2, 11))
+    assert not {p.prompt for p in held} & {p.prompt for p in pool + sft}
+    for p in sft + pool + held:  # one-digit terms, the expression alone as the prompt
+        e = p.meta["entry"]["metadata"]
+        assert e["num_digits"] == 1 and p.prompt == e["expression"].replace(" ", "") + "="
+    key = sft_key(cfg)
+    assert key["task"] == cfg.task and key["rg_kwargs"]["max_terms"] == 4
+    with pytest.raises(ValueError, match="config key 'sft_rg_kwargs': chain_sum has no setting"):
+        parse_config(["--sft_rg_kwargs={'max_term': 4}"])
+    with pytest.raises(ValueError, match="config key 'eval_rg_kwargs' must be empty"):
+        parse_config(["configs/marked.py", "--eval_rg_kwargs={'max_terms': 4}"])
+
+
+def test_a_random_answer_passes_well_under_1_in_20_on_the_far_bins():
+    """The default's far bins (8 to 10 one-digit terms): the likeliest answer, always guessed, is
+    right under 1 time in 30."""
+    for n in (8, 9, 10):
+        answers = [int(p.answer) for p in make_reasoning_gym(
+            "chain_sum", 4000, seed=n, kwargs={"min_digits": 1, "max_digits": 1, "min_terms": n,
+                                               "max_terms": n})]
+        assert max(answers.count(a) for a in set(answers)) / len(answers) < 1 / 30
