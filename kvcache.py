@@ -290,8 +290,9 @@ class PagedKVCache:
         they touch that is full afterwards, and attends each new query to its row's whole cache
         up to and including itself (dense, causal within the T). The new positions must lie past
         the shared prompt pages (completion tokens only).
-            On a CPU with lanes the attention reads the cache in place (`_verify_lanes`); on a GPU,
-        with the free list, or with verify_ref = True, it gathers each row's cache (the reference)."""
+            On a CPU with lanes the attention reads the cache in place (`_verify_lanes`); on a
+        GPU, with the free list, or with verify_ref = True, it gathers each row's cache (the
+        reference)."""
         ps, dev = self.page_size, self.table.device
         lanes = self.lanes is not None and not self.table.is_cuda and not self.verify_ref
         if lanes:

@@ -445,12 +445,13 @@ def length_mask(lens, T, dtype):
 
 def attend_rows(q, k, v, lens=None, lse=False):
     """Decode attention of q (B, H_kv, M, D), the M = G query heads of each KV head (or more: the
-    rows of a group over their shared prompt), over K, V (B, H_kv, T, D) with any strides, e.g. a
-    strided view of a cache whose rows are contiguous runs (no gather); row b reads its first
-    lens[b] keys (None: all T; each row must read a key unless lse=True). Returns out (B, H_kv, M,
-    D) in q's dtype, and with lse=True also the log-sum-exp of each query's scaled scores (B, H_kv,
-    M), for merge_attention (a row with no key: zeros and -inf). On a CPU the C++ kernel reads the runs in one pass (attend_runs_cpu); SDPA's
-    CPU flash kernel, with a length mask, where it cannot."""
+    rows of a group over their shared prompt, a verify's G * T), over K, V (B, H_kv, T, D) with
+    any strides, e.g. a strided view of a cache whose rows are contiguous runs (no gather); row b
+    reads its first lens[b] keys (None: all T; each row must read a key unless lse=True). Returns
+    out (B, H_kv, M, D) in q's dtype, and with lse=True also the log-sum-exp of each query's
+    scaled scores (B, H_kv, M), for merge_attention (a row with no key: zeros and -inf). On a CPU
+    the C++ kernel reads the runs in one pass (attend_runs_cpu); SDPA's CPU flash kernel, with a
+    length mask, where it cannot."""
     fast = attend_runs_cpu(q, k, v, lens) if not q.is_cuda else None
     if fast is not None:
         out = fast[0].to(q.dtype)

@@ -10,7 +10,8 @@ import torch
 
 from kvcache import PagedKVCache
 from model import ModelConfig, Transformer
-from rollout import Engine, top_p_probs
+from rollout import Engine
+from speculative import top_p_probs
 from sparsity import dense_budget, dense_logprobs, fixed_budget, fraction_budget, page_metadata
 
 
