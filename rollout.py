@@ -40,9 +40,10 @@ What one call does:
        `rescore_every=k` scores the pages once in k steps (kvcache.py).
     5. Sampling (`sample`, in speculative.py): temperature, top-p, a seeded generator; the
        log-prob of the sampled token is taken under softmax(logits / temperature), which the
-       trainer recomputes, so the two compare token by token. With `topk_logprobs=k` the engine also keeps the k largest log-probs of that
-       distribution (values and token ids) at every sampled position, what `sparsity.alpha_topk`
-       needs to bound the acceptance rate (k = vocab_size: the whole distribution, exact alpha).
+       trainer recomputes, so the two compare token by token. With `topk_logprobs=k` the engine
+       also keeps the k largest log-probs of that distribution (values and token ids) at every
+       sampled position, what `sparsity.alpha_topk` needs to bound the acceptance rate (k =
+       vocab_size: the whole distribution, exact alpha).
     6. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch at once and
        its pages go back (a shared prompt page when its last row finishes). The model runs the
        call inside `Transformer.packed()`: on a CPU, its weight matmuls on packed copies.
