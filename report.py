@@ -1,7 +1,8 @@
 """
 report.py: what a person reads of a run. The step's log lines, the summary table at the end,
-out_dir/run.png, and the hardware line every measured figure names. train.py calls these; every
-figure they show is also in out_dir/metrics.jsonl.
+out_dir/run.png, the hardware line every measured figure names, and the experiment tracker
+(`tracker` in config.py) that gets the same figures. train.py calls these; every figure they show is
+also in out_dir/metrics.jsonl.
 
 The step lines, one stage after another (the README explains each label):
     step   12  kept 14/16 in 2 tries | rollout 0.65s len 34 kv 1.00 | reward 0.858 verify 0.00
@@ -12,8 +13,15 @@ The step lines, one stage after another (the README explains each label):
 Simplifications:
     1. Every line stays within 100 columns; a figure a run does not have is left out, not zeroed.
     2. The plot is reward per step and greedy held-out accuracy at each evaluation, nothing more.
+    3. The tracker gets metrics.jsonl's records as they are (nested dicts and lists included), the
+       config at the start and run.png at the end: no figures of its own, no system metrics.
+
+    python train.py --tracker=trackio --out_dir=out/tracked   # then `trackio show --project zeros`
+    python train.py --tracker=wandb                            # offline; `wandb sync` uploads it
 """
 
+import dataclasses
+import importlib
 import math
 import os
 import platform
@@ -198,3 +206,60 @@ def hardware(gpu=False):
     except (OSError, StopIteration):
         pass
     return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+# -------------------------------------------------------------------------- experiment tracking
+
+INSTALL = {"trackio": "pip install trackio", "wandb": "pip install wandb"}
+
+
+def tracker_package(name):
+    """The tracker's package, imported only when a run asks for it: both are optional, and both
+    take seconds to import. A missing one names the package and the command that installs it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(f"config key 'tracker' is {name!r}, but {name} does not import ({e}): "
+                          f"`{INSTALL[name]}`, or run with --tracker=none") from None
+
+
+class Tracker:
+    """A run as an experiment tracker sees it: the config at the start, each step's metrics.jsonl
+    record, run.png at the end. trackio and wandb share these calls (init, log, Image, finish).
+    - trackio is local-first: a SQLite database under TRACKIO_DIR (default
+      ~/.cache/huggingface/trackio), no account, no network; `trackio show` opens its dashboard.
+    - wandb runs offline (WANDB_MODE=offline unless set), into out_dir/wandb; `wandb sync` uploads.
+    The run is project "zeros", named after out_dir; a resumed run continues the tracker's run of
+    that name (trackio) or starts a new one (wandb). With tracker=none, or on a rank other than 0,
+    every call does nothing."""
+
+    def __init__(self, cfg, rank=0):
+        self.lib = None
+        if cfg.tracker == "none" or rank != 0:
+            return
+        self.lib = tracker_package(cfg.tracker)
+        name = os.path.basename(os.path.normpath(cfg.out_dir))
+        kw = dict(project="zeros", name=name, config=dataclasses.asdict(cfg))
+        if cfg.tracker == "wandb":
+            os.environ.setdefault("WANDB_MODE", "offline")  # a user's WANDB_MODE=online wins
+            kw["dir"] = cfg.out_dir
+        else:  # no CPU and GPU sampling thread beside the loop: the record has what matters
+            kw.update(resume="allow" if cfg.resume else "never", auto_log_cpu=False,
+                      auto_log_gpu=False)
+        self.lib.init(**kw)
+        self.step = 0
+
+    def log(self, rec):
+        """One step's record, as metrics.jsonl has it; its "step" goes as the tracker's step
+        (trackio reserves the name as a metric)."""
+        if self.lib:
+            self.step = rec["step"]
+            self.lib.log({k: v for k, v in rec.items() if k != "step"}, step=self.step)
+
+    def finish(self, png):
+        """run.png (when out_dir has one) at the last step, then close the tracker's run."""
+        if not self.lib:
+            return
+        if os.path.exists(png):
+            self.lib.log({"run.png": self.lib.Image(png)}, step=self.step)
+        self.lib.finish()

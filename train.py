@@ -58,7 +58,7 @@ from config import cli, parse_config
 from model import add_lora
 from moe import moe_layers, replay_batch
 from prompts import group_has_signal, make_sampler, refill_size
-from report import by_difficulty, examples, pass_at, pass_ks, plot, step_lines, summary
+from report import Tracker, by_difficulty, examples, pass_at, pass_ks, plot, step_lines, summary
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
 from sparse_rollout import SparseRollout
@@ -181,7 +181,7 @@ def train(cfg, run, rank, log):
             f"max staleness {cfg.max_staleness}")
     log(f"policy: {run.model.num_params() / 1e6:.2f}M parameters on {run.dev} ({cfg.dtype}), "
         f"world size {run.world}; {len(run.train_ids)} training prompts")
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    metrics_path, track = os.path.join(cfg.out_dir, "metrics.jsonl"), Tracker(cfg, rank)
     if rank == 0:  # rewrite the log up to the resume point, so a resumed run does not repeat steps
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history["records"])
@@ -212,6 +212,7 @@ def train(cfg, run, rank, log):
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            track.log(rec)  # the same record, to the tracker (tracker=none: nothing)
         if skipped >= cfg.max_skipped:  # before saving: weights that diverged are not checkpointed
             raise FloatingPointError(
                 f"stopped at step {step}: the last {skipped} optimizer steps had a NaN or inf "
@@ -230,6 +231,7 @@ def train(cfg, run, rank, log):
         log(summary(history, time.perf_counter() - t_start, cfg.group_size))
         if cfg.plot:
             plot(history, os.path.join(cfg.out_dir, "run.png"))
+        track.finish(os.path.join(cfg.out_dir, "run.png"))
     return history
 
 
