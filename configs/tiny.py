@@ -1,35 +1,40 @@
 # python train.py            (this file is the default: it applies whenever no config file is given)
-# The embedded default: a 0.8M-parameter Qwen3-shaped model on reasoning-gym's chain_sum, on the CPU, offline.
-# SFT sees sums of 2 to 4 terms from an exact teacher; RL trains on 2 to 7; held-out evaluation runs 3 to 10, so
-# 8 to 10 are seen by neither. The question it answers: does RL make the policy right past its supervised range,
-# beyond what the warm start could already sample (its pass@64 there)?
+# The embedded default: a 0.8M-parameter Qwen3-shaped model on the synthetic task, on the CPU, with no network.
+# SFT sees chains of 2 to 6 from a teacher that slips at carries; RL trains on 2 to 10; held-out evaluation runs
+# 2 to 12, so 11 and 12 are seen by neither. The question it answers: does RL make the policy reliably right past
+# its supervised range, and does it beat spending the same rollouts on RFT or more SFT (`python -m bench demo`)?
 out_dir = "out/tiny"
-task = "reasoning_gym:chain_sum"
-# one-digit terms (0-9), + or - at random: "7-3+5+9=" -> 18. A sum of 8 to 10 terms spreads over about 90 values;
-# always guessing the likeliest passes 2.5-3% of the time
-rg_kwargs = {"min_digits": 1, "max_digits": 1, "min_terms": 2, "max_terms": 7}   # RL: 2 to 7 terms
-sft_rg_kwargs = {"max_terms": 4}    # warm start: 2 to 4 terms only
-eval_rg_kwargs = {"max_terms": 10}  # held out: up to 10 terms (every 2-term sum is in the pool: none held out)
-rg_prompt = "expression"    # the prompt is the expression and "=" alone, for the character model
+task = "synthetic"
+# data: order "marked" (tasks.py): every prompt lists the same 14 items "k=v,", the chain is the first d of them
+# and its last item ends with "." ("a=3,b=5,c=1.d=4,...?"); the trace restates each value, the running sum and
+# the item's separator ("3>3,5>8,1>9.#9"), so every step reads at one distance and the chain ends on content
+order = "marked"
+sft_difficulty = (2, 6)     # warm start: short chains only
+difficulty = (2, 10)        # RL: chains of 2 to 10
+eval_difficulty = (2, 12)   # held out: 11 and 12 are seen neither by SFT nor by RL
 n_train = 20000
-n_eval = 120                # about 15 per number of terms, disjoint from the pool and the SFT data
-eval_sampled = True         # also pass@1, pass@8 and pass@64 at temperature 1, before and after RL
-eval_k = 64
+n_eval = 440                # 40 per difficulty, greedy, disjoint from the pool and the SFT data
+eval_sampled = True         # also the warm start's pass@1 and pass@8 at temperature 1, per difficulty
 n_layer = 4
 n_embd = 128
 n_head = 4
 n_kv_head = 2
 ffn = 384
-# warm start: exact traces (warmstart.chain_sum_trace): "+07-3=+04+5=+09+9=+18\n#### 18", each total signed
+# warm start: exact traces except a slip at carries (warmstart.teacher_trace): where the running sum crosses 10,
+# half the time the teacher adds the carry into the units digit and carries on from its wrong total, a forgotten
+# wrap that comes with the input, so errors compound with the chain's length. Without the slip, SFT on 2-6
+# already solves 7-12 on most seeds in this format, and RL has little to add.
 sft_steps = 1600
 sft_batch = 16
 sft_lr = 2e-3
+sft_noise = 0.0
+sft_slip = 0.5
 prompts_per_step = 16
 group_size = 8
-max_new_tokens = 72         # a 10-term trace is 66 characters
+max_new_tokens = 64         # a 12-chain trace is 50 characters
 lr = 2e-4
-steps = 60
+steps = 80
 warmup_steps = 5
 micro_batch = 64
-eval_every = 5              # held-out greedy accuracy every 5 steps: the curve in run.png
+eval_every = 5              # held-out accuracy every 5 steps: the curve in run.png
 save_every = 20

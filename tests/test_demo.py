@@ -23,9 +23,8 @@ def test_held_out_problems_share_no_prompt_with_the_pool_or_the_sft_data():
     assert len(held) == 200 and not ({p.prompt for p in held} & seen)
     raw = make_synthetic(200, cfg.seed + 10_000, (2, 3))  # what the held-out set was before the filter
     assert {p.prompt for p in raw} & seen
-    # and configs/marked.py's sets: held out 2-12, RL pool 2-10, SFT data 2-6 (the default's:
-    # tests/test_reasoning_gym.py)
-    cfg = config.parse_config(["configs/marked.py", "--n_train=3000", "--sft_steps=100"])
+    # and the default's own sets: held out 2-12, RL pool 2-10, SFT data 2-6
+    cfg = config.parse_config(["--n_train=3000", "--sft_steps=100"])
     pool, held = load_problems(cfg)
     assert len(held) == cfg.n_eval and {p.meta["difficulty"] for p in held} == set(range(2, 13))
     assert not ({p.prompt for p in held} & {p.prompt for p in pool + sft_problems(cfg)})

@@ -163,8 +163,8 @@ def test_config_file_and_command_line_give_rg_kwargs_as_a_dict(tmp_path):
     with pytest.raises(ValueError, match="rg_kwargs' wants dict"):
         parse_config([str(path), "--rg_kwargs=3"])
     with pytest.raises(ValueError, match="needs model="):  # the tiny model has no teacher for it
-        parse_config(["configs/marked.py", "--task=reasoning_gym:countdown"])
-    assert parse_config(["configs/marked.py", "--task=reasoning_gym:chain_sum"]).model == ""
+        parse_config(["--task=reasoning_gym:countdown"])
+    assert parse_config(["--task=reasoning_gym:chain_sum"]).model == ""
 
 
 def test_a_row_without_an_answer_is_skipped_and_counted(monkeypatch):
@@ -216,7 +216,7 @@ def test_the_countdown_recipe_parses_and_builds_its_task_offline():
         assert score_one(p, f"#### {p.answer}") == 1.0
 
 
-# ------------------------------------------------------------- the embedded default: chain_sum, clean teacher
+# ------------------------------------------------------- configs/chain_sum.py: the tiny model, a clean teacher
 
 
 @pytest.mark.parametrize("kw", [{"min_digits": 1, "max_digits": 1, "min_terms": 1, "max_terms": 10},
@@ -244,11 +244,12 @@ def test_the_chain_sum_teacher_is_exact(kw, cascade):
     assert res.rewards == [1.0] * len(ps) and set(res.stages) == {"exact"}
 
 
-def test_the_default_runs_chain_sum_on_a_ladder_past_sft_and_past_rl():
-    """The embedded default: SFT's range below RL's below the held-out set's, each drawn from its own
+def test_chain_sum_runs_on_a_ladder_past_sft_and_past_rl():
+    """configs/chain_sum.py: SFT's range below RL's below the held-out set's, each drawn from its own
     settings; the held-out problems share no prompt with the pool or the SFT data; the sampler
     follows the growth zone; the tiny model's warm start key names its task and SFT settings."""
-    cfg = parse_config(["--n_train=600", "--sft_steps=40", "--n_eval=80"])
+    cfg = parse_config([os.path.join(ROOT, "configs", "chain_sum.py"), "--n_train=600",
+                        "--sft_steps=40", "--n_eval=80"])
     assert cfg.task == "reasoning_gym:chain_sum" and not cfg.model and cfg.sampler == "growth"
     assert cfg.rg_prompt == "expression" and cfg.eval_sampled and cfg.eval_k == 64
     pool, held = load_problems(cfg)
@@ -263,14 +264,14 @@ def test_the_default_runs_chain_sum_on_a_ladder_past_sft_and_past_rl():
     key = sft_key(cfg)
     assert key["task"] == cfg.task and key["rg_kwargs"]["max_terms"] == 4
     with pytest.raises(ValueError, match="config key 'sft_rg_kwargs': chain_sum has no setting"):
-        parse_config(["--sft_rg_kwargs={'max_term': 4}"])
+        parse_config(["--task=reasoning_gym:chain_sum", "--sft_rg_kwargs={'max_term': 4}"])
     with pytest.raises(ValueError, match="config key 'eval_rg_kwargs' must be empty"):
-        parse_config(["configs/marked.py", "--eval_rg_kwargs={'max_terms': 4}"])
+        parse_config(["--eval_rg_kwargs={'max_terms': 4}"])
 
 
 def test_a_random_answer_passes_well_under_1_in_20_on_the_far_bins():
-    """The default's far bins (8 to 10 one-digit terms): the likeliest answer, always guessed, is
-    right under 1 time in 30."""
+    """configs/chain_sum.py's far bins (8 to 10 one-digit terms): the likeliest answer, always
+    guessed, is right under 1 time in 30."""
     for n in (8, 9, 10):
         answers = [int(p.answer) for p in make_reasoning_gym(
             "chain_sum", 4000, seed=n, kwargs={"min_digits": 1, "max_digits": 1, "min_terms": n,
