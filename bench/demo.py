@@ -76,7 +76,7 @@ def rft(cfg, run, rollouts, steps, seed):
     for a in range(0, len(picks), chunk):
         idx = picks[a:a + chunk]
         with torch.no_grad():
-            ro = run.engine.generate([run.train_ids[i] for i in idx], G, seed=seed + a)
+            ro = run.sparse.engine.generate([run.train_ids[i] for i in idx], G, seed=seed + a)
         res = run.cascade.score_batch([pool[i] for i in idx for _ in range(G)], ro.texts,
                                       group_size=G, finish=ro.finish)
         for j, (r, fin) in enumerate(zip(res.rewards, ro.finish)):
