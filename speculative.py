@@ -46,11 +46,12 @@ A call (speculative = k > 0):
        token a row can keep (the pool holds max_new_tokens + k a row); MoE routes are not
        recorded (ro.experts is None); record_pages is refused.
 
-
-Where the verify's time goes: its attention (kvcache.PagedKVCache.begin_verify) reads a CPU's
-lanes in place, the cache before the k + 1 new tokens as one decode step's worth of queries, so a
-verify costs about one dense step's KV reads; on a GPU (and with the free list) it gathers each
-row's cache and runs SDPA, the reference.
+Where a verify's time goes: on a CPU with lanes its attention (kvcache.PagedKVCache.begin_verify)
+reads each row's cache in place, the k + 1 queries of a KV head joining its group as G * (k + 1)
+queries of one decode step, so a verify reads the KV once, as a dense step does, and does k + 1
+times its arithmetic; on a GPU (and with the free list) it gathers each row's cache and runs SDPA,
+the reference. Every round also runs k + 1 forwards' fixed costs (k drafts and the verify): where
+a step's weights and launches cost as much as its KV reads, the draft saves little.
 """
 
 import time
@@ -134,7 +135,6 @@ def speculative_sample(logits, drafts, q, temperature, top_p, gen, gen_accept):
     return n, torch.multinomial(res, 1, generator=gen)[:, 0]
 
 
-
 def generate_speculative(eng, prompt_ids, group_size, seed):
     """The dense prefill's first token, then rounds over the live rows: k draft steps
     (`_draft`: the engine's decode, sparse if `sparse=`), one dense verify forward of k + 1
@@ -158,10 +158,10 @@ def generate_speculative(eng, prompt_ids, group_size, seed):
     # token is the dense policy's, so ro.budget and ro.budget_dense are both this
     pages = [[-(-len(prompt_ids[r // group_size]) // ps)] for r in range(N)]
     topk, live = [], list(range(N))
-    last, lp = sample(logits, eng.temperature, eng.top_p, gen)  # dense, as _generate
+    last, lp = sample(logits, eng.temperature, eng.top_p, gen)  # dense, as Engine._generate
     _record_topk(eng, topk, logits[:, None], live, [0] * N, [1] * N)
     taken, done = _take(eng, out, lps, finish, live, [[t] for t in last.tolist()],
-                             [[x] for x in lp.tolist()])
+                        [[x] for x in lp.tolist()])
     while True:
         for j in done:
             cache.release(live[j])
@@ -185,10 +185,10 @@ def generate_speculative(eng, prompt_ids, group_size, seed):
         st["draft_s"], st["verify_s"] = (st["draft_s"] + t3 - t2,
                                          st["verify_s"] + time.perf_counter() - t3)
         st["drafted"], st["accepted"] = st["drafted"] + k * len(live), st["accepted"] + sum(n_l)
-        taken, done = _take(eng, out, lps, finish, live, [x[:a + 1] for x, a in
-                                                          zip(toks_l, n_l)], lp_l)
+        taken, done = _take(eng, out, lps, finish, live,
+                            [x[:a + 1] for x, a in zip(toks_l, n_l)], lp_l)
         _record_topk(eng, topk, logits, live, [len(out[r]) - c for r, c in zip(live, taken)],
-                          taken)
+                     taken)
         for j, (r, c) in enumerate(zip(live, taken)):
             pages[r] += [(n0[j] + i) // ps + 1 for i in range(c)]
             st["pages_dense"] += L * sum(pages[r][-c:])
@@ -196,8 +196,9 @@ def generate_speculative(eng, prompt_ids, group_size, seed):
                 cache.truncate(r, n0[j] + c)
         last = nxt
     t4 = time.perf_counter()
-    return _pack(eng, prompt_ids, group_size, groups, cache, out, lps, finish,
-                                  pages, topk, st, (t0, t1, t4), calls)
+    return _pack(eng, prompt_ids, group_size, groups, cache, out, lps, finish, pages, topk, st,
+                 (t0, t1, t4), calls)
+
 
 def _draft(eng, cache, live, last, gen, st):
     """k decode steps of the live rows from their last tokens, with the engine's budget ->
@@ -220,6 +221,7 @@ def _draft(eng, cache, live, last, gen, st):
         torch.cuda.synchronize()
     return torch.stack(toks, 1), (None if qs[0] is None else torch.stack(qs, 1))
 
+
 def _verify(eng, cache, live, n0, last, drafts, st):
     """One dense forward of each live row's last token and its k drafts over its paged cache
     (PagedKVCache.begin_verify): the rows are cut back to where the draft began, n0, and the
@@ -232,6 +234,7 @@ def _verify(eng, cache, live, n0, last, drafts, st):
     st["pages_read"] += sum(cache.n_pages) * eng.model.config.num_hidden_layers
     st["verifies"], st["verify_calls"] = st["verifies"] + len(live), st["verify_calls"] + 1
     return eng.model(torch.cat([last[:, None], drafts], 1), cache=cache)
+
 
 def _take(eng, out, lps, finish, rows, toks, lp):
     """Row rows[j] takes toks[j] (with log-probs lp[j]) in order, as dense decoding takes one a
@@ -259,6 +262,7 @@ def _take(eng, out, lps, finish, rows, toks, lp):
             done.add(j)
     return taken, done
 
+
 def _record_topk(eng, topk, logits, rows, start, count):
     """The top-k of the dense distributions (B, T, V) at the positions rows[j] took: count[j]
     from completion position start[j]; kept as (rows, positions, values, ids)."""
@@ -274,10 +278,11 @@ def _record_topk(eng, topk, logits, rows, start, count):
     topk.append((torch.tensor(r, device=dev), torch.tensor(pos, device=dev), vals[j, i],
                  ids[j, i]))
 
+
 def _pack(eng, prompt_ids, G, groups, cache, out, lps, finish, pages, topk, st,
                       times, calls):
     """Rollouts of a speculative call: ro.budget = ro.budget_dense (the dense policy's pages at
-    every token), the timings of `_generate` plus the draft's and the verify's."""
+    every token), the timings of Engine._generate plus the draft's and the verify's."""
     t0, t1, t2 = times
     drafted, new = st["drafted"], sum(len(o) for o in out)
     # per layer, both passes: the draft's selections (counted in the cache, averaged over KV

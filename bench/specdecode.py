@@ -27,9 +27,9 @@ Simplifications:
        draft agrees with dense more than a trained model's would: the acceptance here is an upper
        end; what a trained policy gives is measured in the loop.
     2. Own contexts: 8 rows, each with its own prompt of the context's length (the long-generation
-       regime), pages of 16, every layer sparse in the draft (dense_layers = 0). The verify's
-       attention is the plain PyTorch gather + SDPA (kvcache.PagedKVCache._attend_verify), while
-       dense decode reads each row's lane in place with the C++ kernel.
+       regime), pages of 16, every layer sparse in the draft (dense_layers = 0). The verify
+       reads each row's lane in place with the C++ kernel, as dense decode does, its k + 1
+       queries as G * (k + 1) of one decode step (kvcache.PagedKVCache._verify_lanes).
     3. The arms take turns; each arm's fastest round counts. Times are the process's CPU time
        (run with --threads 1) less its prefill's: a machine shared with other work slows wall
        time, not CPU time. The draft and verify shares are wall time

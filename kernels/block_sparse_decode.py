@@ -456,6 +456,9 @@ def attend_rows(q, k, v, lens=None, lse=False):
     if fast is not None:
         out = fast[0].to(q.dtype)
         return (out, fast[1]) if lse else out
+    if k.shape[2] == 0:  # no row has a key (a verify's rows with no own token yet): SDPA's CPU
+        out = torch.zeros_like(q)  # flash kernel divides by zero there
+        return (out, q.new_full(q.shape[:-1], -math.inf, dtype=torch.float32)) if lse else out
     mask = None if lens is None else length_mask(lens, k.shape[2], q.dtype)
     if not lse:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -27,12 +27,12 @@ class CharTok(Ids):  # for stop strings: id i >= 2 decodes to letter i - 2
         return ["".join(chr(ord("a") + t - 2) for t in r if t >= 2) for r in rows]
 
 
-def tiny_model(V=8, scale=5.0, seed=0):
+def tiny_model(V=8, scale=5.0, seed=0, head_dim=8):
     """A random 2-layer model with GQA, its weights scaled up so that attention is peaked and a
     sparse draft (one page) parts from dense: the draft's acceptance is about 0.7."""
     torch.manual_seed(seed)
     m = Transformer(ModelConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                                 intermediate_size=64, max_position_embeddings=256)).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -184,38 +184,41 @@ def test_cache_after_rejections_equals_a_fresh_prefill(monkeypatch, num_pages):
         assert torch.allclose(meta[:, :full].flatten(0, 1), mean, atol=1e-4), f"row {r}: meta"
 
 
-def verify_cache(m, steps, verify_ref):
-    """A lanes cache of 3 prompts x 2 rows (pages of 4) after the prefill and `steps` decode steps,
-    row 1 released after the first (row 5 moves into its lane) -> (cache, live rows). Rows 0, 1
-    share 5 prompt pages and own a partial one; rows 2, 3 share 2 and own nothing at step 0; rows
-    4, 5 share none (3 tokens)."""
-    prompts = [PROMPT, PROMPT[:8], PROMPT[:3]]
+def verify_cache(m, prompts, steps, verify_ref):
+    """A lanes cache of the prompts x 2 rows (pages of 4) after the prefill and `steps` decode
+    steps, row 1 released after the first (the last row moves into its lane) -> (cache, live
+    rows)."""
+    N = 2 * len(prompts)
     eng = Engine(m, Ids(), max_new_tokens=20, eos_ids=[-1], page_size=4, speculative=7)
     groups = eng._groups(prompts, 2)
-    cache, live = eng._new_cache(groups, 6), list(range(6))
+    cache, live = eng._new_cache(groups, N), list(range(N))
     cache.verify_ref = verify_ref
     with torch.no_grad():
-        eng._prefill(cache, groups, 6)
+        eng._prefill(cache, groups, N)
         for step in range(steps):
             if step == 1:
                 cache.release(1)
-                live = [0, 2, 3, 4, 5]
+                live = [r for r in live if r != 1]
             cache.begin_decode(live)
             m(torch.tensor([[(3 * r + step) % 8] for r in live]), cache=cache)
     return cache, live
 
 
+@pytest.mark.parametrize("prompts", [
+    [PROMPT, PROMPT[:8], PROMPT[:3]],  # 5 shared pages and a partial own; 2 and none; no shared
+    [PROMPT[:8], PROMPT[4:20]]])  # 2 and 4 shared pages: at step 0 no row owns a token
 @pytest.mark.parametrize("steps", [0, 1, 3])
-@pytest.mark.parametrize("T", [1, 4, 7])
-def test_verify_on_the_lanes_equals_the_gather_reference(T, steps):
+@pytest.mark.parametrize("T,D", [(1, 8), (4, 8), (7, 8), (4, 32), (7, 32)])  # D = 32: C++ kernel
+def test_verify_on_the_lanes_equals_the_gather_reference(T, D, steps, prompts):
     """The verify's attention on a CPU's lanes (the cache before the new tokens read in place, its
     T queries as G * T of a decode step, merged by log-sum-exp with the causal T x T part) equals
     the reference (each row's cache gathered, SDPA with a mask): rows with and without a shared
-    prompt, with no own token yet, and moved between lanes; and it writes the same pool."""
-    m = tiny_model()
-    (fast, live), (ref, _) = (verify_cache(m, steps, r) for r in (False, True))
+    prompt, with no own token yet (some rows, or all), and moved between lanes; and it writes the
+    same pool."""
+    m = tiny_model(head_dim=D)
+    (fast, live), (ref, _) = (verify_cache(m, prompts, steps, r) for r in (False, True))
     g = torch.Generator().manual_seed(T + steps)
-    q, k, v = (torch.randn(len(live), H, T, 8, generator=g) for H in (4, 2, 2))
+    q, k, v = (torch.randn(len(live), H, T, D, generator=g) for H in (4, 2, 2))
     for layer in (0, 1):
         fast.begin_verify(live, T), ref.begin_verify(live, T)
         y, y_ref = (c.attend(layer, q * (layer + 1), k, v) for c in (fast, ref))
