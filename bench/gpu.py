@@ -1,6 +1,6 @@
 """
-bench/gpu.py: stage 2 on one GPU, in one command that needs only torch, triton, numpy and this
-repository (no flash-attn, no datasets, no network). Three tables in one:
+bench/gpu.py: stage 2 on one GPU, in one command that needs only torch, triton, numpy, transformers
+and this repository (no flash-attn, no datasets, no network). Its sections, in one table:
     (a) the Triton kernel against its PyTorch reference, in fp32, bf16 and fp16: max abs error;
     (b) the kernel (1/8 of the pages) against SDPA (dense) and FlexAttention (the same block mask),
         at 8k and 32k cached tokens, with the bandwidth each reaches on the bytes it reads;
@@ -9,7 +9,13 @@ repository (no flash-attn, no datasets, no network). Three tables in one:
     (d) stage 4's 2:4 path: a 2:4-masked bf16 weight as PyTorch's semi-structured sparse tensor
         (torch.sparse.to_sparse_semi_structured; compute capability 8.0 or more) against the same
         masked weight dense, on Qwen3-1.7B's Linear shapes, at decode (32 rows) and prefill (4,096
-        rows) sizes; without such a GPU it is one "skipped" row.
+        rows) sizes; without such a GPU it is one "skipped" row;
+    (f) the engine's greedy tokens against transformers' greedy `generate` on the same weights, in
+        fp32 and bf16: rows identical, tokens agreeing before the first difference, tokens/s;
+    (g) five RL steps of train.py on a random-weight Qwen3-0.6B-shaped model in bf16, with the
+        character tokenizer (tasks.py) built offline: dense, sparse decode (1/4 of the pages) and
+        speculative (spec_k 8 over the same sparse budget): step time, peak GPU memory, and
+        whether every loss and gradient norm is finite.
 
     python -m bench gpu                    # on a GPU: a few minutes; prints and writes the table
     python -m bench gpu --quick            # toy sizes; on a CPU through Triton's interpreter (CI)
@@ -28,9 +34,16 @@ Simplifications:
     5. (d) times one F.linear per shape, weights random and magnitude-masked 2:4 (sparsity.nm_mask);
        its error is the semi-structured output's max abs difference from masked dense, relative to
        the largest output. A shape the sparse path rejects is reported as such, not dropped.
+    6. (f) and (g) use random weights: near-tied logits make greedy paths part early in bf16, so
+       (f)'s bf16 agreement is a floor, and (g)'s reward is the completion's length parity
+       (parity_rewards), since a random policy solves nothing and a group with no spread trains
+       nothing. (g)'s step time leaves out step 0 (Triton compiles there).
 """
 
+import contextlib
+import math
 import os
+import tempfile
 import time
 
 import torch
@@ -42,12 +55,15 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
 
-from bench.common import hardware  # noqa: E402
+import reward  # noqa: E402
+import train  # noqa: E402
+from bench.common import _Ids, best_of, hardware  # noqa: E402
 from kernels.block_sparse_decode import (  # noqa: E402
     _bytes_read, _make_problem, block_sparse_decode, block_sparse_decode_ref)
 from model import ModelConfig, Transformer  # noqa: E402
 from rollout import Engine  # noqa: E402
 from sparsity import fraction_budget, nm_mask  # noqa: E402
+from tasks import build_char_tokenizer  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
@@ -186,6 +202,122 @@ def semi_structured(dev, quick):
     return rows
 
 
+# Qwen3-0.6B's shape (its vocabulary, tied embeddings); TOY: the smoke run's
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 max_position_embeddings=40960, tie_word_embeddings=True)
+TOY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+
+
+def agreement(ours, theirs):
+    """'r/B rows identical, a% of tokens before the first difference' for two (B, T) greedy
+    outputs."""
+    same = (ours == theirs).int()
+    before = same.cumprod(1).sum(1)  # per row: tokens agreeing before the first difference
+    return (f"{int((before == same.shape[1]).sum())}/{same.shape[0]} rows identical, "
+            f"{before.sum().item() / same.numel():.0%} of tokens before the first difference")
+
+
+def engine_vs_transformers(dev, quick):
+    """(f): the engine against transformers' greedy generate on the same saved weights and
+    prompts, in fp32 and bf16 (EOS off, the same lengths): agreement and tokens/s of each."""
+    from transformers import AutoModelForCausalLM  # seconds to import: only here
+    torch.manual_seed(0)
+    cfg = ModelConfig(**(TOY if quick else QWEN3_06B))
+    batch, prompt, new = (2, 8, 8) if quick else (8, 64, 128)
+    ids = torch.randint(3, cfg.vocab_size, (batch, prompt),
+                        generator=torch.Generator().manual_seed(0))
+    rows, out = [], {}
+    with tempfile.TemporaryDirectory() as d:
+        Transformer(cfg).save_pretrained(d)
+        for dtype in (torch.float32, torch.bfloat16):
+            model = Transformer.from_pretrained(d, dtype=dtype, device=dev).eval()
+            hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()
+            eng = Engine(model, _Ids(), max_new_tokens=new, temperature=0.0, eos_ids=[])
+            x = ids.to(dev)
+
+            @torch.no_grad()
+            def run_hf():
+                out["hf"] = hf.generate(input_ids=x, attention_mask=torch.ones_like(x),
+                                        max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[:, prompt:].cpu()
+            t = best_of({"ours": lambda: out.update(ours=eng.generate(ids.tolist(), 1).tokens),
+                         "hf": run_hf}, repeats=1)
+            rows.append(f"| (f) engine vs transformers generate, {str(dtype)[6:]}, batch {batch}, "
+                        f"{new} new | {agreement(out['ours'].cpu(), out['hf'])} | "
+                        f"ours {batch * new / t['ours']:.0f} tok/s, transformers "
+                        f"{batch * new / t['hf']:.0f} tok/s | {t['hf'] / t['ours']:.2f}x |")
+            del model, hf, eng
+    return rows
+
+
+@contextlib.contextmanager
+def parity_rewards():
+    """(g)'s reward, while the block runs: the cascade scores as usual (its time counts), then
+    each completion's reward becomes its length's parity. A random policy never writes an answer
+    the cascade's cheap checks let through, and a group with no spread trains nothing."""
+    score = reward.Cascade.score_batch
+
+    def parity(self, problems, texts, *args, **kw):
+        res = score(self, problems, texts, *args, **kw)
+        res.rewards = [float(len(t) % 2) for t in texts]
+        return res
+    reward.Cascade.score_batch = parity
+    try:
+        yield
+    finally:
+        reward.Cascade.score_batch = score
+
+
+# (g)'s arms: train.py overrides on top of rl_run_args
+RL_ARMS = {"dense": [],
+           "sparse decode": ["--kv_budget=fraction:0.25"],
+           "speculative": ["--kv_budget=fraction:0.25", "--rollout_mode=speculative", "--spec_k=8"]}
+
+
+def rl_run_args(folder, out_dir, dev, quick):
+    """train.py's arguments for (g): the saved random model in bf16, the synthetic task, no plot,
+    evaluation only at the start and the end."""
+    steps, per_step, group, new = (2, 2, 2, 16) if quick else (5, 8, 8, 256)
+    return [f"--model={folder}", "--task=synthetic", "--dtype=bfloat16", f"--device={dev}",
+            f"--steps={steps}", f"--prompts_per_step={per_step}", f"--group_size={group}",
+            f"--max_new_tokens={new}", "--n_train=256", f"--n_eval={4 if quick else 16}",
+            "--eval_every=1000", "--save_every=1000", "--plot=false", "--lr=1e-6",
+            "--warmup_steps=0", "--chat_template=false",
+            f"--micro_batch={4 if quick else 16}", f"--out_dir={out_dir}"]
+
+
+def rl_steps(dev, quick):
+    """(g): train.py's RL steps on a random-weight model, dense, sparse and speculative: mean step
+    time (rollout + update), peak GPU memory, and whether every loss and gradient norm is
+    finite."""
+    torch.manual_seed(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        folder = os.path.join(d, "model")
+        Transformer(ModelConfig(**(TOY if quick else QWEN3_06B))).save_pretrained(folder)
+        build_char_tokenizer(folder)  # offline: one token per character
+        for arm, extra in RL_ARMS.items():
+            if dev == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            with parity_rewards():
+                recs = train.main(rl_run_args(folder, os.path.join(d, arm), dev, quick)
+                                  + extra)["records"]
+            timed = recs[1:] or recs  # step 0 compiles
+            gen = sum(r["gen_s"] for r in timed) / len(timed)
+            learn = sum(r.get("train_s", 0.0) for r in timed) / len(timed)
+            finite = all(math.isfinite(r.get(k, 0.0)) for r in recs for k in ("loss", "grad_norm"))
+            trained = sum(r.get("tokens", 0) for r in recs)
+            mem = (f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if dev == "cuda"
+                   else "peak memory: no GPU")
+            rows.append(f"| (g) {len(recs)} RL steps, {arm}, bf16 | step {gen + learn:.2f} s "
+                        f"(rollout {gen:.2f}, update {learn:.2f}) | {mem} | "
+                        f"{'finite' if finite else 'NOT FINITE'} loss and grad norms, "
+                        f"{trained} tokens trained |")
+    return rows
+
+
 def run(quick, cmd):
     """-> the table, head included; also written to out/bench_gpu.md."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,7 +325,8 @@ def run(quick, cmd):
     lines = [f"Hardware: {hw}. Command: `{cmd}`." + ("" if dev == "cuda" else
              " No GPU: Triton's interpreter at toy sizes, a smoke run (times mean nothing)."), "",
              "| what | figure | figure | note |", "|---|---|---|---|"]
-    for part in (correctness, kernel_vs_dense, engine_decode, semi_structured):
+    for part in (correctness, kernel_vs_dense, engine_decode, semi_structured,
+                 engine_vs_transformers, rl_steps):
         lines += part(dev, quick)
     os.makedirs("out", exist_ok=True)
     with open(os.path.join("out", "bench_gpu.md"), "w") as f:

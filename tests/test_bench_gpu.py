@@ -16,5 +16,11 @@ def test_gpu_bench_runs_at_toy_sizes_and_checks_what_it_times(tmp_path, monkeypa
     d = [r for r in rows if r.startswith("| (d)")]  # 2:4 semi-structured: runs or skips cleanly
     assert d and (all("ms" in r or "failed" in r for r in d) if bench.gpu.torch.cuda.is_available()
                   else d == ["| (d) 2:4 semi-structured vs masked dense | skipped: no GPU | | |"])
+    f = [r for r in rows if r.startswith("| (f)")]  # the engine against transformers' generate
+    assert [r.split(", ")[1] for r in f] == ["float32", "bfloat16"]
+    assert "2/2 rows identical" in f[0]  # fp32 at toy sizes: the same greedy path
+    g = [r for r in rows if r.startswith("| (g)")]  # train.py's RL steps, three rollout modes
+    assert [r.split(", ")[1] for r in g] == ["dense", "sparse decode", "speculative"]
+    assert all("| finite loss and grad norms" in r and " 0 tokens trained" not in r for r in g)
     assert (tmp_path / "out" / "bench_gpu.md").read_text().splitlines() == rows
     assert os.environ.get("TRITON_INTERPRET") == "1" or bench.gpu.torch.cuda.is_available()
