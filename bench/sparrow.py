@@ -136,7 +136,8 @@ def aggregate(runs):
     """One arm's seeds (summaries) -> {figure: (mean, sd)}, per-bin means, and the mean curve."""
     keys = ("reward0", "reward1", "acc0", "acc", "alpha", "p5", "kv_read", "speedup", "gap0",
             "gap1", "tv", "accept")
-    out = {k: spread([r[k] for r in runs]) for k in keys}
+    # .get: a record made before a figure existed (a dense run needs none of the sparse ones)
+    out = {k: spread([r.get(k, float("nan")) for r in runs]) for k in keys}
     out["ms"] = spread([1e3 * r["gen_s"] / r["tokens"] for r in runs])
     nb = max(len(r["bins"]["p5"]) for r in runs)
     out["bins"] = {k: [spread([r["bins"][k][i] for r in runs if i < len(r["bins"][k])])[0]
