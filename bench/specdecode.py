@@ -130,7 +130,7 @@ def run(quick, cmd):
     shape = (P, layers, kv_heads, head_dim, cfg.num_attention_heads // kv_heads)
     contexts, ks, fracs = ((512,), (2, 4), (0.125,)) if quick else ((1024, 2048, 4096), (2, 4, 8),
                                                                      (0.125, 0.25))
-    B, new, rounds = (4, 24, 1) if quick else (8, 96, 2)
+    B, new, rounds = (4, 24, 1) if quick else (8, 96, 3)
     g = torch.Generator().manual_seed(0)
     lines = [f"Hardware: {hw}. Command: `{cmd}`. A random 4-layer Qwen3-shaped model (2 KV heads "
              f"of 32), {B} rows each with its own prompt of the context's length, {new} new "
