@@ -11,8 +11,8 @@ evaluates and saves.
 
 One step (`rl_step`):
     1 signal   the sampler draws prompts from the growth zone (pass rate neither ~0 nor ~1)
-    2 rollout  engine.generate: G completions each, the prompt prefilled once per group; with a
-               sparse budget or a rollout copy, Sparrow's per-position alpha on every row; on an
+    2 rollout  G completions each, the prompt prefilled once per group; stage 2's sparse budget,
+               mismatch figures and speculative mode behind one object (sparse_rollout.py); on an
                MoE, every token's experts, and the routing and mismatch with and without replay
     3 rewards  the verifier cascade; every rank tells the sampler every group's rewards. Groups
                whose rewards are all equal carry no gradient: they are dropped and refilled with
@@ -20,9 +20,8 @@ One step (`rl_step`):
     4 update   advantages -> dense log-probs -> clipped policy-gradient loss with IS weights;
                router_replay routes the trainer's MoE forwards through the rollout's experts
     5 sync     colocated: the rollout copy follows the policy in place; disaggregated: trainer 0
-               ships a checked weight delta to the ranks that only generate. A bf16 copy
-               (rollout_copy=bf16) takes its delta in bf16 either way: only the weights whose
-               bf16 bits changed; sync_bytes and sync_ratio (of the full bf16 model) in the log
+               ships a checked weight delta to the ranks that only generate. A bf16 copy takes its
+               delta in bf16 either way (only the weights whose bf16 bits changed)
 The rank's role (parallel.Role) decides which of stages 1-3 and 4 it runs; colocated, it runs both.
 Each step logs a few lines with every stage's figures (a tqdm bar on a terminal); metrics.jsonl has
 every number. A run ends with a summary table, out_dir/run.png and every rank's weight checksum.
@@ -31,8 +30,7 @@ Simplifications:
     1. Colocated by default: the policy and the rollout engine share a process (and, with
        rollout_copy=same, the module). `fsdp=true` shards training, with a full replica to generate.
     2. The embedded default builds its own warm start (warmstart.py), cached by its settings.
-    3. Held-out accuracy is greedy, on the policy itself (not the rollout copy), scored by the same
-       cascade.
+    3. Held-out accuracy (heldout.py) is greedy, on the policy itself, scored by the same cascade.
     4. A config or data error stops the run with one line that names the key, before any training.
 
 `Config` in config.py is the one source of truth; the run writes the config it used to
@@ -55,10 +53,11 @@ import copies
 import parallel
 from checkpoint import load_checkpoint, save_checkpoint
 from config import cli, parse_config
+from heldout import before_rl, during_rl
 from model import add_lora
 from moe import moe_layers, replay_batch
 from prompts import group_has_signal, make_sampler, refill_size
-from report import Tracker, by_difficulty, examples, pass_at, pass_ks, plot, step_lines, summary
+from report import Tracker, plot, step_lines, summary
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
 from sparse_rollout import SparseRollout
@@ -161,21 +160,14 @@ def train(cfg, run, rank, log):
     """Evaluate the start (or resume), run the steps (log, metrics, checkpoints), check that the
     ranks agree."""
     start, history = 0, {"records": [], "acc0": None, "start": {}, "examples": []}
-    # checkpointed with the policy: what else a resumed run must find as it was
-    extra = run.sparse.extra
+    extra = run.sparse.extra  # checkpointed with the policy: what a resumed run must find
     if cfg.resume:
         start, history = load_checkpoint(cfg, run.model, run.opt, run.sampler, run.dev, extra)
         refresh_rollout(cfg, run)  # the copy was made from the weights before the checkpoint
         log(f"resumed from step {start}")
     elif run.role.trains:
         with run.amp:
-            history["acc0"], greedy, shown = evaluate(cfg, run, texts=range(len(run.eval_p)))
-            sampled = evaluate(cfg, run, k=cfg.eval_k or cfg.group_size) if cfg.eval_sampled else {}
-        history["start"] = {"greedy": greedy, **sampled}  # sampled: {"pass@1": {d: ...}, ...}
-        history["examples"] = [{"index": i, "prompt": run.eval_p[i].prompt,
-                                "answer": run.eval_p[i].answer, "before": shown[i][0]}
-                               for i in examples(run.eval_p, shown)]
-        log(f"held-out accuracy before RL: {history['acc0']:.3f} on {len(run.eval_p)} problems")
+            before_rl(cfg, run, history, log)  # the warm start's held-out figures and examples
     if run.role.split:
         log(f"{len(run.role.trainers)} trainer and {len(run.role.rollouts)} rollout ranks, "
             f"max staleness {cfg.max_staleness}")
@@ -195,13 +187,7 @@ def train(cfg, run, rank, log):
         with run.amp:
             rec = rl_step(cfg, step, run)
             if run.role.trains and ((step + 1) % cfg.eval_every == 0 or last):
-                picks = [ex.get("index") for ex in history["examples"]] if last else ()
-                rec["acc"], rec["acc_by_difficulty"], shown = evaluate(cfg, run, texts=picks)
-                for ex in history["examples"]:
-                    ex["after"] = shown.get(ex.get("index"), (ex.get("after"),))[0]
-                if last and cfg.eval_sampled:  # the end's pass@k beside the start's
-                    history["end"] = {"greedy": rec["acc_by_difficulty"],
-                                      **evaluate(cfg, run, k=cfg.eval_k or cfg.group_size)}
+                during_rl(cfg, run, history, rec, last)  # held-out accuracy; at the end, more
         if not run.role.trains:  # a rollout rank: its figures are the trainers' to log
             continue
         if rec["tokens"]:  # optimizer steps skipped in a row for NaN/inf: a diverged run stops
@@ -238,9 +224,6 @@ def train(cfg, run, rank, log):
 def last_step(cfg):
     """The index of the run's last step: `steps` ends the schedule, `stop_at` may come first."""
     return min(cfg.steps, cfg.stop_at or cfg.steps) - 1
-
-
-# --------------------------------------------------------------------------------- one RL step
 
 
 def rl_step(cfg, step, run):
@@ -409,36 +392,6 @@ def refresh_rollout(cfg, run):
                     sync_ratio=st["ratio"], sync_changed=st["changed_fraction"])
     copies.refresh(run.sparse.rollout_model, full, cfg.lora_r)
     return {}
-
-
-@torch.no_grad()
-def evaluate(cfg, run, k=1, texts=()):
-    """Held-out accuracy, scored by the same cascade, each trainer on a slice: greedy by default
-    -> (accuracy, {difficulty: accuracy}); with k > 1, k samples per problem at the rollout
-    temperature -> {"pass@j": {difficulty: pass@j}} for j = 1, 8, 64, ..., k (report.pass_at).
-    `texts`: indices of problems whose greedy completions to return too, as
-    {index: (completion, reward)} (the before/after examples)."""
-    me, n, ks = run.role.me, run.role.n, pass_ks(k)
-    mine, scores, shown = list(range(me, len(run.eval_p), n)), [], {}
-    per = max(1, 2048 // k)  # prompts per generate: at most about 2,048 rows in the KV cache
-    engine = run.greedy if k == 1 else Engine(run.greedy.model, temperature=cfg.temperature,
-                                              tokenizer=run.tok, max_new_tokens=cfg.max_new_tokens,
-                                              stop=run.greedy.stop)
-    for a in range(0, len(mine), per):
-        chunk = mine[a:a + per]
-        ro = engine.generate([run.eval_ids[i] for i in chunk], k, seed=0)
-        res = run.cascade.score_batch([run.eval_p[i] for i in chunk for _ in range(k)], ro.texts,
-                                      group_size=k, finish=ro.finish)
-        r = torch.tensor(res.rewards).view(-1, k)
-        scores += [(run.eval_p[i].meta.get("difficulty"), x.mean().item(), *pass_at(x, ks))
-                   for i, x in zip(chunk, r)]
-        shown.update({i: (ro.texts[j * k], res.rewards[j * k]) for j, i in enumerate(chunk)
-                      if i in texts})
-    scores = [x for part in parallel.gather(scores, n, run.role.group) for x in part]
-    shown = {i: t for part in parallel.gather(shown, n, run.role.group) for i, t in part.items()}
-    if k > 1:
-        return {f"pass@{j}": by_difficulty(scores, 2 + m) for m, j in enumerate(ks)}
-    return sum(x[1] for x in scores) / len(scores), by_difficulty(scores, 1), shown
 
 
 if __name__ == "__main__":

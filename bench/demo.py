@@ -31,6 +31,7 @@ import tempfile
 
 import torch
 
+import heldout
 import parallel
 import train
 from bench.common import hardware
@@ -125,10 +126,10 @@ def one_seed(seed, quick, root):
             "RL": {int(d): a for d, a in recs[-1]["acc_by_difficulty"].items()}}
     cfg, run = fresh_run(argv)
     kept = rft(cfg, run, rollouts, len(recs), seed)
-    accs["RFT"] = train.evaluate(cfg, run)[1]
+    accs["RFT"] = heldout.evaluate(cfg, run)[1]
     cfg, run = fresh_run(argv)
     sft_tokens = more_sft(cfg, run, tokens, seed)
-    accs["more SFT"] = train.evaluate(cfg, run)[1]
+    accs["more SFT"] = heldout.evaluate(cfg, run)[1]
     return cfg, accs, {"rollouts": rollouts, "tokens": tokens, "rft_kept": kept,
                        "sft_tokens": sft_tokens}
 

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Top to bottom: a module may import only modules below it. train.py at the top; then the CLIs of
 # calibrate.py and roi.py (which build the policy as a run would); report.py; what builds a run; the
 # stages; the leaves.
-ORDER = ["train", "sparse_rollout", "calibrate", "roi", "report", "warmstart", "parallel",
+ORDER = ["train", "heldout", "sparse_rollout", "calibrate", "roi", "report", "warmstart", "parallel",
          "checkpoint", "distill", "update", "copies", "sync", "rollout", "speculative", "kvcache",
          "kernels.block_sparse_decode", "kernels.sparse_decode_cpu", "sparsity",
          "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers",

@@ -1,0 +1,75 @@
+"""
+heldout.py: held-out evaluation, the accuracy train.py reports. Greedy accuracy per difficulty on
+the policy itself, sampled pass@1 to pass@k (eval_sampled), and the example completions shown
+before and after RL, all scored by the run's own cascade. Each trainer evaluates a slice of the
+held-out set and the figures are gathered, so every rank returns the same numbers.
+
+    acc, by_difficulty, shown = evaluate(cfg, run)   # greedy; shown: {index: (completion, reward)}
+    passes = evaluate(cfg, run, k=64)                # {"pass@1": {difficulty: ...}, ..., "pass@64"}
+    before_rl(cfg, run, history, log)                # the warm start's figures and examples
+    during_rl(cfg, run, history, rec, last)          # each eval step; the last one's pass@k too
+
+Simplifications:
+    1. Greedy evaluation runs on the policy itself (run.greedy), not the rollout copy.
+    2. Sampled evaluation draws with seed 0 at the rollout temperature, about 2,048 rows a call.
+"""
+
+import torch
+
+import parallel
+from report import by_difficulty, examples, pass_at, pass_ks
+from rollout import Engine
+
+
+def before_rl(cfg, run, history, log):
+    """The warm start's held-out figures (greedy, and pass@k with eval_sampled) and the examples
+    the run will show again at its end, into `history`."""
+    history["acc0"], greedy, shown = evaluate(cfg, run, texts=range(len(run.eval_p)))
+    sampled = evaluate(cfg, run, k=cfg.eval_k or cfg.group_size) if cfg.eval_sampled else {}
+    history["start"] = {"greedy": greedy, **sampled}  # sampled: {"pass@1": {d: ...}, ...}
+    history["examples"] = [{"index": i, "prompt": run.eval_p[i].prompt,
+                            "answer": run.eval_p[i].answer, "before": shown[i][0]}
+                           for i in examples(run.eval_p, shown)]
+    log(f"held-out accuracy before RL: {history['acc0']:.3f} on {len(run.eval_p)} problems")
+
+
+def during_rl(cfg, run, history, rec, last):
+    """An evaluation step: greedy accuracy into the step's record; at the last step, the shown
+    examples' completions after RL and (eval_sampled) the end's pass@k beside the start's."""
+    picks = [ex.get("index") for ex in history["examples"]] if last else ()
+    rec["acc"], rec["acc_by_difficulty"], shown = evaluate(cfg, run, texts=picks)
+    for ex in history["examples"]:
+        ex["after"] = shown.get(ex.get("index"), (ex.get("after"),))[0]
+    if last and cfg.eval_sampled:
+        history["end"] = {"greedy": rec["acc_by_difficulty"],
+                          **evaluate(cfg, run, k=cfg.eval_k or cfg.group_size)}
+
+
+@torch.no_grad()
+def evaluate(cfg, run, k=1, texts=()):
+    """Held-out accuracy, scored by the same cascade, each trainer on a slice: greedy by default
+    -> (accuracy, {difficulty: accuracy}); with k > 1, k samples per problem at the rollout
+    temperature -> {"pass@j": {difficulty: pass@j}} for j = 1, 8, 64, ..., k (report.pass_at).
+    `texts`: indices of problems whose greedy completions to return too, as
+    {index: (completion, reward)} (the before/after examples)."""
+    me, n, ks = run.role.me, run.role.n, pass_ks(k)
+    mine, scores, shown = list(range(me, len(run.eval_p), n)), [], {}
+    per = max(1, 2048 // k)  # prompts per generate: at most about 2,048 rows in the KV cache
+    engine = run.greedy if k == 1 else Engine(run.greedy.model, temperature=cfg.temperature,
+                                              tokenizer=run.tok, max_new_tokens=cfg.max_new_tokens,
+                                              stop=run.greedy.stop)
+    for a in range(0, len(mine), per):
+        chunk = mine[a:a + per]
+        ro = engine.generate([run.eval_ids[i] for i in chunk], k, seed=0)
+        res = run.cascade.score_batch([run.eval_p[i] for i in chunk for _ in range(k)], ro.texts,
+                                      group_size=k, finish=ro.finish)
+        r = torch.tensor(res.rewards).view(-1, k)
+        scores += [(run.eval_p[i].meta.get("difficulty"), x.mean().item(), *pass_at(x, ks))
+                   for i, x in zip(chunk, r)]
+        shown.update({i: (ro.texts[j * k], res.rewards[j * k]) for j, i in enumerate(chunk)
+                      if i in texts})
+    scores = [x for part in parallel.gather(scores, n, run.role.group) for x in part]
+    shown = {i: t for part in parallel.gather(shown, n, run.role.group) for i, t in part.items()}
+    if k > 1:
+        return {f"pass@{j}": by_difficulty(scores, 2 + m) for m, j in enumerate(ks)}
+    return sum(x[1] for x in scores) / len(scores), by_difficulty(scores, 1), shown
