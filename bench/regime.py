@@ -110,8 +110,9 @@ def run(quick, cmd):
     prompts = ids[:cfg.calib_prompts]
     found = []
     for ps, bp, k in PAGES:
+        floor = cfg.kv_keep_first + cfg.kv_keep_recent  # every step reads these pages anyway
         cands = tuple(c for c in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256,
-                                  384, 512) if c * ps <= 4096 and c * ps >= 16)
+                                  384, 512) if c * ps <= 4096 and c * ps >= 16 and c >= floor)
         for sc in SCORERS:
             k_sc = 1 if sc == "oracle" else k  # the oracle reads every key each step anyway
             c = dataclasses.replace(cfg, page_size=ps, kv_bin_pages=bp, kv_scorer=sc,
