@@ -10,9 +10,9 @@ partings, that the type carries.
 Settings, one seeded sparse rollout each of the same prompts (the config's calibration prompts,
 its group size), alpha against a dense forward of the same weights (exact: the vocabulary is
 small):
-    the floor (1 sink + 2 recent pages of 64, nothing else), and 6 pages of 64, centroid scorer
-    the floor with the Quest and the oracle scorers
-    the floor with 8 recent pages of 64 kept: 512 tokens, past the 256-token lag
+    the floor (1 sink + 2 recent pages of 64, nothing else: no page left for a scorer to pick)
+    4 pages (one picked) with the centroid, Quest and oracle scorers; 6 pages, centroid
+    9 pages with 8 recent pages of 64 kept: 512 tokens, past the 256-token lag
 
 Simplifications:
     1. One seeded rollout per setting: the rows differ between settings once a token differs, so
@@ -39,10 +39,13 @@ from tasks import LAG_WIDTH, encode_pool, load_problems
 from warmstart import build_policy
 
 TYPES = ("copy v (256 back)", "sum t (local)", "newline", "end (# and answer)")
-SETTINGS = (("floor: 3 pages, centroid", 3, "centroid", 2),
+# (name, pages a step, scorer, recent pages kept); the floor (1 sink + 2 recent) leaves the scorer
+# nothing to pick, so the scorers are compared one page above it
+SETTINGS = (("floor: 3 pages", 3, "centroid", 2),
+            ("4 pages, centroid", 4, "centroid", 2),
+            ("4 pages, quest", 4, "quest", 2),
+            ("4 pages, oracle", 4, "oracle", 2),
             ("6 pages, centroid", 6, "centroid", 2),
-            ("floor: 3 pages, quest", 3, "quest", 2),
-            ("floor: 3 pages, oracle", 3, "oracle", 2),
             ("8 recent pages kept (9 read)", 9, "centroid", 8))
 
 
