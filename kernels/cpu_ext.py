@@ -11,6 +11,7 @@ ZEROS_CPU_KERNEL=0 turns every C++ kernel off.
 
 import functools
 import os
+import time
 import warnings
 
 import torch
@@ -18,6 +19,22 @@ import torch
 # the instruction set a kernel is built for, by what torch found on this CPU (a name each, so that
 # a build cached for one CPU is never loaded on another)
 _MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
+
+
+def clear_stale_lock(name, minutes=10):
+    """torch guards a build with a lock file in its build folder; a process killed while it built
+    leaves the file behind, and every later load then waits on it forever, silently. A lock older
+    than any build (`minutes`) is removed, with a warning. -> whether one was."""
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own path for the build
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) < minutes * 60:
+            return False
+        os.remove(lock)
+    except FileNotFoundError:  # no lock, or another process just took it away
+        return False
+    warnings.warn(f"removed a stale build lock of {name} ({lock}), left by a build that was killed")
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,6 +51,7 @@ def load_cpu_ext(name):
     try:
         from torch.utils.cpp_extension import load  # lazy: it pulls in the build tooling
         src = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.cpp")
+        clear_stale_lock(f"zeros_{name}_{isa.lower()}")
         return load(f"zeros_{name}_{isa.lower()}", [src], extra_cflags=flags)
     except Exception as e:  # no compiler or no ninja: the PyTorch path instead
         warnings.warn(f"the C++ kernel {name} did not build ({e}); using the PyTorch path")

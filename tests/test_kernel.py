@@ -492,3 +492,22 @@ def test_cpu_dense_runs_kernel_equals_sdpa(M, D, dtype):
     assert (out[3] == 0).all() and torch.isinf(lse[3]).all() and (lse[3] < 0).all()
     whole, _ = cpu_path.attend_runs_cpu(q, k, v)  # lens None: all T keys
     assert (whole - F.scaled_dot_product_attention(q, k.float(), v.float())).abs().max() <= 2e-5
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A build killed part way leaves torch's lock behind; without this every later load hangs."""
+    import time
+    import warnings
+    from kernels.cpu_ext import clear_stale_lock
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "zeros_test_ext" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    assert not clear_stale_lock("zeros_test_ext") and lock.exists()  # a build may hold it now
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert clear_stale_lock("zeros_test_ext")
+    assert not lock.exists() and "stale build lock" in str(w[0].message)
+    assert not clear_stale_lock("zeros_test_ext")  # none left: nothing to do
