@@ -129,6 +129,8 @@ def test_sparrow_tabulates_the_recorded_runs_and_reruns_a_changed_one(tmp_path, 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sparrow, "RUNS", str(tmp_path))
     monkeypatch.setattr(sparrow, "plot", lambda *a: None)
+    real = sparrow.predictors  # the figures, not the picture: the repo's assets stay as they are
+    monkeypatch.setattr(sparrow, "predictors", lambda runs, path=None: real(runs))
     args = [sparrow.CONFIG, "--plot=false", "--sft_seed=0", "--threads=1"]
     plan = sparrow.plan_runs(args, sparrow.SEEDS, str(tmp_path), "out")
     n = len(sparrow.arms(sparrow.FIXED))
