@@ -137,7 +137,8 @@ class Config:
     calib_prompts: int = 16
     # > 0: every this many steps, time a dense rollout of the same prompts (speedup)
     kv_compare_every: int = 0
-    # > 0: DistillSparse, a rollout-only LoRA of this rank trained toward the dense policy
+    # > 0: DistillSparse, a rollout-only LoRA of this rank trained toward the dense policy (in
+    # speculative mode it is the draft's: it raises the acceptance, the samples stay exact)
     distill_r: int = 0
     distill_lr: float = 1e-3
     distill_coef: float = 1.0  # lambda of lambda * KL(dense || sparse)
@@ -427,10 +428,9 @@ def check_kv_budget(cfg):
                          f"{cfg.kv_keep_first} + kv_keep_recent {cfg.kv_keep_recent}, the partial "
                          f"page among them), so they would read {floor}: raise them, or lower "
                          f"kv_keep_recent")
-    if cfg.rollout_mode == "speculative" and (kind == "dense" or cfg.distill_r):
+    if cfg.rollout_mode == "speculative" and kind == "dense":
         raise ValueError("config key 'rollout_mode': speculative needs a sparse kv_budget for the "
-                         "draft (dense drafts would all be accepted, at twice the cost), and no "
-                         "distill_r yet")
+                         "draft (dense drafts would all be accepted, at twice the cost)")
     if cfg.kv_controller and kind not in ("table", "schedule", "calibrate"):
         raise ValueError("config key 'kv_controller' needs a table budget "
                          "(kv_budget=table:N1,N2,..., schedule:PATH or calibrate)")

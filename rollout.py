@@ -56,7 +56,9 @@ size; None is the call's worst case); topk_logprobs=0 (k > 0 fills ro.topk_logp 
 padding positions hold -inf and token 0); record_pages=False (sparse only: fills ro.read_pages with
 every selection, which distill.ReplayCache replays in a training forward); rescore_every=1
 (sparse, centroid or Quest: score the pages once in that many steps); speculative=0 (k > 0:
-lossless sparse rollout, k draft tokens per verify; below).
+lossless sparse rollout, k draft tokens per verify; below); draft=None (speculative only: the
+model that drafts, of the same shapes as `model`, e.g. DistillSparse's adapter copy; default
+`model`; record_pages then records the draft's selections).
 Timings: prefill_s, decode_s, new_tokens; prefill_calls, prefill_tokens and prefill_tokens_naive
 (what prefilling every row would cost); pages_read and pages_dense (KV pages read by decode
 attention, summed over steps, rows and layers, and what dense decode reads); pages_read_layer
@@ -123,7 +125,7 @@ class Engine:
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
                  eos_ids=None, page_size=16, sparse=False, scorer="centroid", keep_recent=2,
                  dense_layers=2, keep_first=1, share_prefix=True, num_pages=None, topk_logprobs=0,
-                 record_pages=False, rescore_every=1, speculative=0):
+                 record_pages=False, rescore_every=1, speculative=0, draft=None):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop = [s for s in stop if s]
@@ -149,10 +151,17 @@ class Engine:
         if not (isinstance(speculative, int) and speculative >= 0):
             raise ValueError(f"speculative must be an int >= 0 (draft tokens per verify; 0: "
                              f"off), got {speculative!r}")
-        if speculative and record_pages:
-            raise ValueError("record_pages does not apply to speculative decoding: every token "
-                             "is the dense policy's")
-        self.speculative = speculative
+        if draft is not None:
+            shape = lambda m: tuple(getattr(m.config, k) for k in (
+                "num_hidden_layers", "num_key_value_heads", "head_dim", "vocab_size"))
+            if not speculative:
+                raise ValueError("draft is the speculative mode's drafting model: it needs "
+                                 "speculative = k > 0")
+            if shape(draft) != shape(model):
+                raise ValueError(f"the draft model writes the same KV cache as the model: layers, "
+                                 f"KV heads, head_dim and vocab must match, got {shape(draft)} "
+                                 f"and {shape(model)}")
+        self.speculative, self.draft = speculative, (draft if draft is not None else model)
         self.page_size, self.budget, self.scorer = page_size, (sparse or None), scorer
         self.keep_recent, self.dense_layers, self.keep_first = keep_recent, dense_layers, keep_first
         self.share_prefix, self.num_pages, V = share_prefix, num_pages, model.config.vocab_size
@@ -340,14 +349,22 @@ class Engine:
 
     def _pack_pages(self, cache, N, T):
         """The recorded selections -> (N, T, sparse layers, H_kv, P) bool, what distill.ReplayCache
-        replays."""
+        replays. A record's step is the completion position it made (an int, or one a row in
+        speculative mode, where a later draft at a position replaces an earlier one)."""
         L, dl, P = self.model.config.num_hidden_layers, self.dense_layers, cache.table.shape[1]
         out = torch.zeros(N, T, max(0, L - dl), cache.H, P + 1, dtype=torch.bool)  # P: padding
         for step, rows, layer, sel, n_sel in cache.record:
             valid = torch.arange(sel.shape[-1], device=sel.device) < n_sel[..., None]  # (B, Hkv, S)
             idx = torch.where(valid, sel.long(), P).cpu()
-            out[torch.tensor(rows)[:, None, None], step, layer - dl,
-                torch.arange(cache.H)[None, :, None], idx] = True
+            r = torch.tensor(rows)
+            if torch.is_tensor(step):
+                step = step.cpu()
+                keep = step < T  # a draft past the row's end (dropped after its EOS)
+                r, step, idx = r[keep], step[keep], idx[keep]
+                out[r, step, layer - dl] = False
+                step = step[:, None, None]
+            out[r[:, None, None], step, layer - dl, torch.arange(cache.H)[None, :, None],
+                idx] = True
         return out[..., :P]
 
     def _pack_topk(self, topk, N, T):

@@ -25,9 +25,11 @@ Two rollout modes (config key rollout_mode):
 Simplifications:
     1. The dense comparison runs on try 0 of a step only, on the rollout model (a copy or the
        adapter's model: what a dense rollout of the same run would use).
-    2. In speculative mode the draft and the verify are the same model (the rollout copy), so with
-       a cheaper copy the samples are exact samples of the copy, and alpha is measured against the
-       policy as in sparse mode.
+    2. In speculative mode the verify runs on the rollout copy, so with a cheaper copy the samples
+       are exact samples of the copy, and alpha is measured against the policy as in sparse mode.
+       The draft is the same model, or with distill_r DistillSparse's adapter copy: the adapter
+       trains on the draft's recorded pages toward the dense distribution, which raises the
+       acceptance (spec_accept) and cannot change what is sampled.
 """
 
 import dataclasses
@@ -50,11 +52,14 @@ class SparseRollout:
         (False: dense)."""
         self.cfg = cfg
         self.distill = DistillSparse.for_run(cfg, full, budget, world) if cfg.distill_r else None
-        self.rollout_model = (self.distill.model if self.distill is not None
+        self.spec = cfg.spec_k if cfg.rollout_mode == "speculative" else 0
+        # the adapter's copy generates (sparse mode) or drafts for the policy (speculative mode)
+        draft = self.distill.model if self.distill is not None and self.spec else None
+        self.rollout_model = (self.distill.model if self.distill is not None and not self.spec
                               else copies.rollout_model_for(cfg, full, train_ids))
         log(f"rollout copy: {copies.describe_copy(self.rollout_model)}"
-            + (f", plus a DistillSparse adapter of rank {cfg.distill_r}" if self.distill else ""))
-        self.spec = cfg.spec_k if cfg.rollout_mode == "speculative" else 0
+            + (f", plus a DistillSparse adapter of rank {cfg.distill_r}"
+               + (" that drafts" if self.spec else "") if self.distill else ""))
         copy = self.rollout_model is not full
         # a rollout that can differ from the policy: alpha every step
         self.measure = copy or (bool(budget) and not self.spec)
@@ -65,7 +70,7 @@ class SparseRollout:
                   scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers,
                   rescore_every=cfg.kv_rescore_every, keep_first=cfg.kv_keep_first,
                   keep_recent=cfg.kv_keep_recent)
-        self.engine = Engine(self.rollout_model, sparse=budget, speculative=self.spec,
+        self.engine = Engine(self.rollout_model, sparse=budget, speculative=self.spec, draft=draft,
                              record_pages=self.distill is not None, topk_logprobs=topk, **gen, **kv)
         self.dense_engine = (Engine(self.rollout_model, **gen, **kv)
                              if cfg.kv_compare_every and budget else None)

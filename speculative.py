@@ -42,9 +42,15 @@ A call (speculative = k > 0):
        pages_read (and pages_read_layer) counts both passes (the draft's selections, and every
        page of a row once per verify); pages_dense is what dense decoding reads for the same
        tokens.
-    6. Simplifications: k is fixed for the call; a verify writes up to k positions past the last
+    6. The draft model (Engine(draft=...)) may differ from the verifying one: any draft keeps
+       the samples exact; a better one only raises acceptance. DistillSparse's adapter copy is
+       such a draft (sparse_rollout.py). record_pages then records the draft's selections at
+       each row's own positions (the last draft at a position wins), and a token no draft made
+       (the bonus after k acceptances) is recorded as reading every page.
+    7. Simplifications: k is fixed for the call; a verify writes up to k positions past the last
        token a row can keep (the pool holds max_new_tokens + k a row); MoE routes are not
-       recorded (ro.experts is None); record_pages is refused.
+       recorded (ro.experts is None). The draft attends over the verify's K and V for the
+       positions before its round, not over K and V of its own.
 
 Where a verify's time goes: on a CPU with lanes its attention (kvcache.PagedKVCache.begin_verify)
 reads each row's cache in place, the k + 1 queries of a KV head joining its group as G * (k + 1)
@@ -148,6 +154,7 @@ def generate_speculative(eng, prompt_ids, group_size, seed):
     groups = eng._groups(prompt_ids, group_size)
     cache = eng._new_cache(groups, N)
     cache.routes = record_routes(None, 0)  # MoE routes: not recorded in this mode
+    cache.record = [] if eng.record_pages else None  # the draft's selections
     st = dict(draft_s=0.0, verify_s=0.0, drafted=0, accepted=0, verifies=0, verify_calls=0,
               draft_steps=0, pages_read=0, pages_dense=0, draft_pages=0, verify_pages=0)
     t0 = time.perf_counter()
@@ -171,7 +178,7 @@ def generate_speculative(eng, prompt_ids, group_size, seed):
         live, last = [live[j] for j in keep], last[torch.tensor(keep, device=dev)]
         n0 = [cache.lens[r] for r in live]  # cached tokens; `last` goes in at n0
         t2 = time.perf_counter()
-        drafts, q = _draft(eng, cache, live, last, gen, st)
+        drafts, q = _draft(eng, cache, live, last, gen, st, [len(out[r]) for r in live])
         t3 = time.perf_counter()
         logits = _verify(eng, cache, live, n0, last, drafts, st)  # (B, k + 1, V)
         n, nxt = speculative_sample(logits, drafts, q, eng.temperature, eng.top_p, gen,
@@ -200,20 +207,25 @@ def generate_speculative(eng, prompt_ids, group_size, seed):
                  (t0, t1, t4), calls)
 
 
-def _draft(eng, cache, live, last, gen, st):
-    """k decode steps of the live rows from their last tokens, with the engine's budget ->
-    drafts (B, k) and the distributions they were drawn from, q (B, k, V) (None: greedy)."""
+def _draft(eng, cache, live, last, gen, st, pos):
+    """k decode steps of the live rows from their last tokens, with the engine's budget and
+    draft model -> drafts (B, k) and the distributions they were drawn from, q (B, k, V) (None:
+    greedy). pos: the completion position each row's first draft makes (the page records')."""
     L = eng.model.config.num_hidden_layers
+    pos = torch.tensor(pos)
     sparse_layers = max(0, L - eng.dense_layers) if eng.budget is not None else 0
     toks, qs, cur = [], [], last
-    for _ in range(eng.speculative):
+    for i in range(eng.speculative):
         cache.begin_decode(live)
         st["draft_steps"] += 1
         cache.step = st["draft_steps"]  # draft steps count from 1: rescore_every's clock
         st["pages_read"] += (sum(cache.n_read) * sparse_layers
                              + sum(cache.n_pages) * (L - sparse_layers))
         st["draft_pages"] += sum(cache.n_pages)  # what a dense layer of the draft reads
-        logits = eng.model(cur[:, None], cache=cache)[:, -1]  # (B, V)
+        mark = len(cache.record) if cache.record is not None else 0
+        logits = eng.draft(cur[:, None], cache=cache)[:, -1]  # (B, V)
+        if cache.record is not None:  # this step's selections, at each row's own position
+            cache.record[mark:] = [(pos + i, *x[1:]) for x in cache.record[mark:]]
         cur, q = draft_sample(logits, eng.temperature, eng.top_p, gen)
         toks.append(cur)
         qs.append(q)
@@ -305,6 +317,10 @@ def _pack(eng, prompt_ids, G, groups, cache, out, lps, finish, pages, topk, st,
                # the first token of a row comes from prefill, not from a verify
                "tokens_per_verify": (new - len(out)) / max(1, st["verifies"])}
     ro = eng._pack(prompt_ids, G, out, lps, finish, timings, pages, pages)
+    if eng.record_pages:  # a token no draft made (a bonus token) replays dense: every page
+        ro.read_pages = eng._pack_pages(cache, len(out), ro.tokens.shape[1])
+        none = ~ro.read_pages.any(-1, keepdim=True)
+        ro.read_pages |= none & ro.mask[:, :, None, None, None]
     if eng.topk:
         T, dev = ro.tokens.shape[1], topk[0][2].device
         vals = torch.full((len(out), T, eng.topk), float("-inf"), device=dev)

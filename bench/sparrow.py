@@ -12,6 +12,8 @@ per seed, one per arm:
     (g) (d) with the oracle scorer (the true attention mass per page): what the best possible
         page ranking needs to hold the same target, the ceiling of any scorer
     (h) speculative: the sparse policy drafts, the dense one verifies; exact dense samples
+    (i) (h) + DistillSparse as the draft: its adapter trains toward the dense policy and only
+        drafts, so the samples stay exact; what it can move is the acceptance and the speed
 Per arm, mean and standard deviation over the seeds: the read fraction actually read, the in-loop
 speedup at matched lengths (the dense engine decodes the sparse rollout's own tokens, every 5
 steps) and as a fraction of (b)'s, the paired reward gap (sparse minus dense on the same prompts
@@ -39,7 +41,7 @@ Simplifications:
     5. The oracle arm's speed is not a speed: its scorer reads every key. Its read fraction is the
        figure: the pages a perfect ranking needs at the same target.
 
-    python -m bench sparrow --threads 1 --jobs 2   # hours: 24 runs, 2 at a time, 1 thread each
+    python -m bench sparrow --threads 1 --jobs 2   # hours: 27 runs, 2 at a time, 1 thread each
     python -m bench sparrow --jobs 0               # the table and plot of the runs recorded so far
     python -m bench sparrow --quick                # 2 steps, a short warm start: a smoke run
 """
@@ -80,6 +82,8 @@ def arms(fixed):
     held = ["--kv_budget=calibrate", "--kv_controller=true"] + cmp
     tv = lambda t: held + ["--kv_hold=rollout", f"--kv_tv_target={t}"]
     t0, t1 = TV_TARGETS
+    spec = [f"--kv_budget=table:{fixed}", "--kv_controller=false", "--rollout_mode=speculative",
+            f"--spec_k={SPEC_K}"] + cmp
     return {"(a) dense": ["--kv_budget=dense", "--kv_controller=false"],
             f"(b) floor, {fixed} pages": [f"--kv_budget=table:{fixed}", "--kv_controller=false"]
             + cmp,
@@ -88,9 +92,8 @@ def arms(fixed):
             f"(e) TV-held <= {t1}": tv(t1),
             "(f) (d) + DistillSparse": tv(t0) + ["--distill_r=8"],
             "(g) (d), oracle scorer": tv(t0) + ["--kv_scorer=oracle"],
-            f"(h) speculative, k={SPEC_K}": [f"--kv_budget=table:{fixed}", "--kv_controller=false",
-                                             "--rollout_mode=speculative", f"--spec_k={SPEC_K}"]
-            + cmp}
+            f"(h) speculative, k={SPEC_K}": spec,
+            "(i) (h) + DistillSparse draft": spec + ["--distill_r=8"]}
 
 
 def summary(history):
@@ -219,7 +222,7 @@ def predictors(runs, path=None):
     each predictor against the held-out gap (the run's final accuracy minus the dense run's of
     the same seed). Writes the three scatters to `path`."""
     dense = runs.get("(a) dense", {})
-    pts = [(s, dense[seed]["acc"]) for arm, by in runs.items() if arm[:3] not in ("(a)", "(h)")
+    pts = [(s, dense[seed]["acc"]) for arm, by in runs.items() if arm[:3] not in ("(a)", "(h)", "(i)")
            for seed, s in by.items() if seed in dense]
     out = [(label, spearman([s[k] for s, _ in pts], [s["acc"] - d for s, d in pts]),
             [(s[k], s["acc"] - d) for s, d in pts]) for k, label in PREDICTORS]
@@ -283,7 +286,7 @@ def run(quick, cmd, jobs=1):
     args = [CONFIG, "--plot=false", "--sft_seed=0", threads] + (small if quick else [])
     cfg = parse_config(args)
     # a full run keeps each run's record in RUNS and skips the runs recorded with the same
-    # arguments: the 15 runs take hours, and an interrupted bench resumes where it stopped
+    # arguments: the runs take hours, and an interrupted bench resumes where it stopped
     tmp, live = tempfile.mkdtemp(prefix="zeros-bench-sparrow-"), []
     records, root = (tmp, tmp) if quick else (RUNS, os.path.dirname(cfg.out_dir) or ".")
     os.makedirs(records, exist_ok=True)

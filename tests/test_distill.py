@@ -134,3 +134,33 @@ def test_step_on_pads_the_page_records_of_refill_tries_to_one_shape():
     assert p.shape == (4, 10, 2, 2, 7) and got["plen"].tolist() == [3, 3, 2, 2]
     assert torch.equal(p[:2, :, :, :, :5], a) and not p[:2, :, :, :, 5:].any()
     assert torch.equal(p[2:, :4], b) and not p[2:, 4:].any()
+
+
+def test_the_adapter_as_a_speculative_draft_raises_acceptance():
+    """Speculative mode: the policy verifies, DistillSparse's copy drafts (Engine(draft=)) with its
+    selections recorded at each row's own positions. Steps on those records toward the dense
+    distribution raise the acceptance of a fresh rollout at the same seed; the policy's samples
+    are untouched in law (tests/test_speculative.py). With the adapter not drafting, nothing
+    moves."""
+    from update import token_logprobs
+    m = model4(seed=1)
+    ds = DistillSparse(m, r=4, lr=3e-3, page_size=4, dense_layers=1)
+    eng = Engine(m, CharTok(), max_new_tokens=24, temperature=1.0, page_size=4,
+                 sparse=fixed_budget(3), keep_recent=1, dense_layers=1, record_pages=True,
+                 eos_ids=[], speculative=4, draft=ds.model)
+    ro = eng.generate(PROMPTS, 8, seed=0)
+    assert ro.read_pages is not None and ro.read_pages.shape[:2] == ro.tokens.shape
+    # every scored token has a record (the bonus tokens: every page)
+    assert ro.read_pages[:, 1:].any(-1).all(-1).all(-1)[ro.mask[:, 1:]].all()
+    # a drafted token read its budget, not every page: only the bonus tokens (after 4 accepted
+    # drafts, at most 1 in 5 tokens) read them all
+    full = ro.read_pages[:, 1:].all(-1).all(-1).all(-1)[ro.mask[:, 1:]].float().mean()
+    assert 0 < full <= 0.2, full
+    ids, tmask, plen = batch(ro)
+    with torch.no_grad():
+        _, dense_full = token_logprobs(m, ids, tmask, full=True)
+    before = ro.timings["acceptance"]
+    for _ in range(10):
+        ds.update(ids, tmask, ro.read_pages, plen, dense_full)
+    after = eng.generate(PROMPTS, 8, seed=0).timings["acceptance"]
+    assert after > before + 0.5 * (1 - before), (before, after)

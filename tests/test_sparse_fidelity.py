@@ -159,10 +159,12 @@ def test_force_decodes_the_given_tokens_at_their_lengths():
 # ------------------------------------------------------------------- the speculative mode, in the loop
 
 
-def test_speculative_mode_in_the_loop_is_exact_and_logs_acceptance(tmp_path, monkeypatch):
+@pytest.mark.parametrize("distill", [0, 4])
+def test_speculative_mode_in_the_loop_is_exact_and_logs_acceptance(tmp_path, monkeypatch, distill):
     """rollout_mode=speculative: the rollouts' behaviour log-probs are the dense policy's (the IS
-    ratio is 1 before the update), the log reads "exact" instead of a mismatch, and shows the
-    acceptance rate and tokens a verify; the paired comparison runs beside it."""
+    ratio is 1 before each update), the log reads "exact" instead of a mismatch, and shows the
+    acceptance rate and tokens a verify; the paired comparison runs beside it. With distill_r the
+    adapter only drafts: it trains every step, and the samples stay the policy's."""
     import train
     import update
     from fake_reward import use_parity_reward
@@ -172,21 +174,21 @@ def test_speculative_mode_in_the_loop_is_exact_and_logs_acceptance(tmp_path, mon
     real = update.train_on
 
     def spy(cfg, model, opt, ids, tmask, adv, n, roll, *a, **k):  # before the first update
-        if not seen:
-            lp = update.token_logprobs(model, ids, tmask, cfg.temperature)
-            seen.append((lp[tmask] - roll[tmask]).abs().max().item())
+        lp = update.token_logprobs(model, ids, tmask, cfg.temperature)
+        seen.append((lp[tmask] - roll[tmask]).abs().max().item())
         return real(cfg, model, opt, ids, tmask, adv, n, roll, *a, **k)
 
     monkeypatch.setattr(train, "train_on", spy)
     run = TINY_RUN + ["--steps=2", "--page_size=2", "--dense_layers=0", "--max_new_tokens=24",
                       "--rollout_mode=speculative", "--spec_k=3", "--kv_budget=fixed:2",
                       "--kv_keep_recent=1", "--kv_compare_every=1", "--save_every=100",
-                      f"--out_dir={tmp_path}"]
+                      f"--out_dir={tmp_path}", f"--distill_r={distill}"]
     recs = train.main(run)["records"]
+    assert all(("distill_kl" in r) == bool(distill) for r in recs)
     assert all(r["mismatch"] == "exact" and "alpha_p5" not in r for r in recs)
     assert all(0 <= r["spec_accept"] <= 1 and 1 <= r["spec_per_verify"] <= 4 for r in recs)
     assert all("reward_gap" in r and r["rollout_speedup"] > 0 for r in recs)
-    assert seen and seen[0] < 1e-4  # the rollout's log-probs are the trainer's, token for token
+    assert len(seen) == 2 and max(seen) < 1e-4  # the rollouts' log-probs are the trainer's
     with pytest.raises(ValueError, match="speculative"):
         config.parse_config(["--rollout_mode=speculative"])  # no sparse budget to draft with
 

@@ -272,9 +272,26 @@ def test_speculative_keyword_is_checked():
     m = tiny_model()
     with pytest.raises(ValueError, match="speculative"):
         Engine(m, Ids(), eos_ids=[-1], speculative=-1)
-    with pytest.raises(ValueError, match="record_pages"):
-        Engine(m, Ids(), eos_ids=[-1], sparse=fraction_budget(0.5), speculative=2,
-               record_pages=True)
+    with pytest.raises(ValueError, match="needs speculative"):
+        Engine(m, Ids(), eos_ids=[-1], draft=tiny_model(seed=1))
+    with pytest.raises(ValueError, match="must match"):
+        Engine(m, Ids(), eos_ids=[-1], speculative=2, draft=tiny_model(V=9))
+
+
+def test_another_draft_model_keeps_the_samples_exact():
+    """A draft of other weights (draft=: what DistillSparse's adapter copy is) drafts; the samples
+    stay exact samples of `model` (chi-square as above, 2,000 rows, positions 1 to 3), and its
+    acceptance is its own, lower than the model's own sparse draft's."""
+    m, V, n = tiny_model(), 8, 4
+    kw = dict(max_new_tokens=n, temperature=1.0, eos_ids=[-1], speculative=3, **ONE_PAGE)
+    other = Engine(m, Ids(), draft=tiny_model(seed=1), **kw).generate([PROMPT], 2000, seed=0)
+    own = Engine(m, Ids(), **kw).generate([PROMPT], 2000, seed=0)
+    assert other.timings["acceptance"] < own.timings["acceptance"] - 0.05
+    joint = exact_dense(m, PROMPT, n, 1.0, 1.0)
+    for pos in (1, 2, 3):
+        marg = joint.sum(dim=[d for d in range(n) if d != pos])
+        stat, dof = chi2(torch.bincount(other.tokens[:, pos], minlength=V), marg)
+        assert stat < chi2_critical(dof), f"position {pos}: chi2 {stat:.1f} on {dof} dof"
 
 
 def test_bench_specdecode_quick_runs():
