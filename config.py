@@ -126,6 +126,7 @@ class Config:
     # speculative: the sparse-KV policy drafts spec_k tokens, the dense one verifies: exact samples
     rollout_mode: str = "sparse"
     spec_k: int = 8
+    spec_k_max: int = 0  # > 0: each rollout's k chosen in 1..spec_k_max from the last one's figures
     # the quantile of alpha that calibration and the controller hold at kv_target (Sparrow: 0.05);
     # lower sees rarer mismatched positions, which decide an exact chain of thousands of tokens
     kv_quantile: float = 0.05
@@ -309,7 +310,7 @@ POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_em
             "minibatches", "micro_batch", "lora_alpha", "is_cap", "adv_eps", "eval_every",
             "save_every", "max_skipped")
 NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_compare_every",
-                "kv_keep_first", "kv_keep_recent",
+                "kv_keep_first", "kv_keep_recent", "spec_k_max",
                 "distill_r", "distill_coef", "refill_tries", "min_spread", "max_chars",
                 "overlong_buffer", "overlong_penalty", "steps", "warmup_steps", "weight_decay",
                 "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise", "n_expert",
@@ -431,6 +432,9 @@ def check_kv_budget(cfg):
     if cfg.rollout_mode == "speculative" and kind == "dense":
         raise ValueError("config key 'rollout_mode': speculative needs a sparse kv_budget for the "
                          "draft (dense drafts would all be accepted, at twice the cost)")
+    if cfg.spec_k_max and cfg.rollout_mode != "speculative":
+        raise ValueError("config key 'spec_k_max' chooses speculative decoding's k: it needs "
+                         "rollout_mode = speculative")
     if cfg.kv_controller and kind not in ("table", "schedule", "calibrate"):
         raise ValueError("config key 'kv_controller' needs a table budget "
                          "(kv_budget=table:N1,N2,..., schedule:PATH or calibrate)")

@@ -58,7 +58,8 @@ every selection, which distill.ReplayCache replays in a training forward); resco
 (sparse, centroid or Quest: score the pages once in that many steps); speculative=0 (k > 0:
 lossless sparse rollout, k draft tokens per verify; below); draft=None (speculative only: the
 model that drafts, of the same shapes as `model`, e.g. DistillSparse's adapter copy; default
-`model`; record_pages then records the draft's selections).
+`model`; record_pages then records the draft's selections); adapt_k=0 (speculative only: K > 0
+chooses each call's k in 1..K from the last call's acceptance and costs, speculative.best_k).
 Timings: prefill_s, decode_s, new_tokens; prefill_calls, prefill_tokens and prefill_tokens_naive
 (what prefilling every row would cost); pages_read and pages_dense (KV pages read by decode
 attention, summed over steps, rows and layers, and what dense decode reads); pages_read_layer
@@ -125,7 +126,7 @@ class Engine:
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
                  eos_ids=None, page_size=16, sparse=False, scorer="centroid", keep_recent=2,
                  dense_layers=2, keep_first=1, share_prefix=True, num_pages=None, topk_logprobs=0,
-                 record_pages=False, rescore_every=1, speculative=0, draft=None):
+                 record_pages=False, rescore_every=1, speculative=0, draft=None, adapt_k=0):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop = [s for s in stop if s]
@@ -161,7 +162,12 @@ class Engine:
                 raise ValueError(f"the draft model writes the same KV cache as the model: layers, "
                                  f"KV heads, head_dim and vocab must match, got {shape(draft)} "
                                  f"and {shape(model)}")
+        if not (isinstance(adapt_k, int) and adapt_k >= 0) or (adapt_k and not speculative):
+            raise ValueError(f"adapt_k must be an int >= 0 (0: k fixed; K: each call's k chosen "
+                             f"in 1..K from the last call's figures), with speculative = k > 0; "
+                             f"got {adapt_k!r}")
         self.speculative, self.draft = speculative, (draft if draft is not None else model)
+        self.adapt_k = adapt_k
         self.page_size, self.budget, self.scorer = page_size, (sparse or None), scorer
         self.keep_recent, self.dense_layers, self.keep_first = keep_recent, dense_layers, keep_first
         self.share_prefix, self.num_pages, V = share_prefix, num_pages, model.config.vocab_size

@@ -71,6 +71,7 @@ class SparseRollout:
                   rescore_every=cfg.kv_rescore_every, keep_first=cfg.kv_keep_first,
                   keep_recent=cfg.kv_keep_recent)
         self.engine = Engine(self.rollout_model, sparse=budget, speculative=self.spec, draft=draft,
+                             adapt_k=cfg.spec_k_max if self.spec else 0,
                              record_pages=self.distill is not None, topk_logprobs=topk, **gen, **kv)
         self.dense_engine = (Engine(self.rollout_model, **gen, **kv)
                              if cfg.kv_compare_every and budget else None)
@@ -112,7 +113,8 @@ class SparseRollout:
             rec.update(read_figures(ro, cfg.kv_bin_pages, L, cfg.dense_layers))
         if self.spec:
             tm = ro.timings
-            rec.update(spec_accept=tm["acceptance"], spec_per_verify=tm["tokens_per_verify"],
+            rec.update(spec_k=tm["k"], spec_accept=tm["acceptance"],
+                       spec_per_verify=tm["tokens_per_verify"],
                        spec_draft_s=tm["draft_s"], spec_verify_s=tm["verify_s"])
         if t == 0 and self.dense_engine is not None and step % cfg.kv_compare_every == 0:
             rec.update(self.compare_dense(ro, batch, prompt_ids, seed, rewards, cascade))

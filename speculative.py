@@ -36,8 +36,9 @@ A call (speculative = k > 0):
        multinomials, as dense decoding's steps do; the acceptance uniforms from a second one
        (seed + ACCEPT_SEED). At full budget (p = q) every draft is accepted and the tokens are
        dense decoding's under the same seed.
-    5. Timings add draft_s, verify_s (its acceptance step included), drafted, accepted, verifies
-       (row-verifies), verify_calls (forwards), acceptance = accepted / drafted and
+    5. Timings add k, draft_s, verify_s (its acceptance step included), drafted, accepted, verifies
+       (row-verifies), verify_calls (forwards), acceptance = accepted / drafted, accept_geom =
+       accepted / (accepted + rejections) (the chance a draft is accepted after accepted ones) and
        tokens_per_verify = (new_tokens - rows) / verifies (the first token is the prefill's).
        pages_read (and pages_read_layer) counts both passes (the draft's selections, and every
        page of a row once per verify); pages_dense is what dense decoding reads for the same
@@ -47,7 +48,10 @@ A call (speculative = k > 0):
        such a draft (sparse_rollout.py). record_pages then records the draft's selections at
        each row's own positions (the last draft at a position wins), and a token no draft made
        (the bonus after k acceptances) is recorded as reading every page.
-    7. Simplifications: k is fixed for the call; a verify writes up to k positions past the last
+    7. Adaptive k (Engine(adapt_k=K)): after each call the engine sets the next call's k to
+       `best_k` of this call's figures: the per-draft acceptance, a draft step's and a verify's
+       seconds, k in 1..K. The samples stay exact for any k.
+    8. Simplifications: k is fixed within a call; a verify writes up to k positions past the last
        token a row can keep (the pool holds max_new_tokens + k a row); MoE routes are not
        recorded (ro.experts is None). The draft attends over the verify's K and V for the
        positions before its round, not over K and V of its own.
@@ -141,6 +145,18 @@ def speculative_sample(logits, drafts, q, temperature, top_p, gen, gen_accept):
     return n, torch.multinomial(res, 1, generator=gen)[:, 0]
 
 
+def best_k(accept, draft_s, verify_s, k_max):
+    """The draft length with the most tokens a second, from a call's measured figures: accept, the
+    chance a draft is accepted given the ones before it were (a geometric model: accepted /
+    (accepted + rejections)); draft_s, seconds a draft step; verify_s, seconds a verify. A round of
+    k drafts yields (1 - a^(k+1)) / (1 - a) tokens in k * draft_s + verify_s seconds (the verify's
+    cost taken as fixed in k: its weights and launches, not its k + 1 queries, dominate where
+    drafting pays) -> k in 1..k_max."""
+    a = min(max(accept, 0.0), 1 - 1e-9)
+    rate = lambda k: (1 - a ** (k + 1)) / (1 - a) / (k * draft_s + verify_s)
+    return max(range(1, k_max + 1), key=rate)
+
+
 def generate_speculative(eng, prompt_ids, group_size, seed):
     """The dense prefill's first token, then rounds over the live rows: k draft steps
     (`_draft`: the engine's decode, sparse if `sparse=`), one dense verify forward of k + 1
@@ -156,7 +172,7 @@ def generate_speculative(eng, prompt_ids, group_size, seed):
     cache.routes = record_routes(None, 0)  # MoE routes: not recorded in this mode
     cache.record = [] if eng.record_pages else None  # the draft's selections
     st = dict(draft_s=0.0, verify_s=0.0, drafted=0, accepted=0, verifies=0, verify_calls=0,
-              draft_steps=0, pages_read=0, pages_dense=0, draft_pages=0, verify_pages=0)
+              draft_steps=0, full_rounds=0, pages_read=0, pages_dense=0, draft_pages=0, verify_pages=0)
     t0 = time.perf_counter()
     logits, calls = eng._prefill(cache, groups, N)
     t1 = time.perf_counter()
@@ -192,6 +208,7 @@ def generate_speculative(eng, prompt_ids, group_size, seed):
         st["draft_s"], st["verify_s"] = (st["draft_s"] + t3 - t2,
                                          st["verify_s"] + time.perf_counter() - t3)
         st["drafted"], st["accepted"] = st["drafted"] + k * len(live), st["accepted"] + sum(n_l)
+        st["full_rounds"] += sum(a == k for a in n_l)
         taken, done = _take(eng, out, lps, finish, live,
                             [x[:a + 1] for x, a in zip(toks_l, n_l)], lp_l)
         _record_topk(eng, topk, logits, live, [len(out[r]) - c for r, c in zip(live, taken)],
@@ -316,6 +333,14 @@ def _pack(eng, prompt_ids, G, groups, cache, out, lps, finish, pages, topk, st,
                "acceptance": st["accepted"] / drafted if drafted else 1.0,
                # the first token of a row comes from prefill, not from a verify
                "tokens_per_verify": (new - len(out)) / max(1, st["verifies"])}
+    # per-draft acceptance (geometric: each rejection ends a round) and, with adapt_k, the next
+    # call's k from this call's figures
+    timings["k"] = eng.speculative
+    fails = st["verifies"] - st["full_rounds"]
+    timings["accept_geom"] = st["accepted"] / max(1, st["accepted"] + fails)
+    if eng.adapt_k and st["draft_steps"] and st["verify_calls"]:
+        eng.speculative = best_k(timings["accept_geom"], st["draft_s"] / st["draft_steps"],
+                                 st["verify_s"] / st["verify_calls"], eng.adapt_k)
     ro = eng._pack(prompt_ids, G, out, lps, finish, timings, pages, pages)
     if eng.record_pages:  # a token no draft made (a bonus token) replays dense: every page
         ro.read_pages = eng._pack_pages(cache, len(out), ro.tokens.shape[1])

@@ -182,8 +182,10 @@ def test_speculative_mode_in_the_loop_is_exact_and_logs_acceptance(tmp_path, mon
     run = TINY_RUN + ["--steps=2", "--page_size=2", "--dense_layers=0", "--max_new_tokens=24",
                       "--rollout_mode=speculative", "--spec_k=3", "--kv_budget=fixed:2",
                       "--kv_keep_recent=1", "--kv_compare_every=1", "--save_every=100",
-                      f"--out_dir={tmp_path}", f"--distill_r={distill}"]
+                      f"--out_dir={tmp_path}", f"--distill_r={distill}",
+                      f"--spec_k_max={6 if distill else 0}"]  # adaptive k rides along
     recs = train.main(run)["records"]
+    assert recs[0]["spec_k"] == 3 and all(1 <= r["spec_k"] <= (6 if distill else 3) for r in recs)
     assert all(("distill_kl" in r) == bool(distill) for r in recs)
     assert all(r["mismatch"] == "exact" and "alpha_p5" not in r for r in recs)
     assert all(0 <= r["spec_accept"] <= 1 and 1 <= r["spec_per_verify"] <= 4 for r in recs)
@@ -191,6 +193,8 @@ def test_speculative_mode_in_the_loop_is_exact_and_logs_acceptance(tmp_path, mon
     assert len(seen) == 2 and max(seen) < 1e-4  # the rollouts' log-probs are the trainer's
     with pytest.raises(ValueError, match="speculative"):
         config.parse_config(["--rollout_mode=speculative"])  # no sparse budget to draft with
+    with pytest.raises(ValueError, match="spec_k_max"):
+        config.parse_config(["--spec_k_max=4"])  # no speculative mode
 
 
 def test_lowalpha_types_each_token_of_a_lagged_completion():

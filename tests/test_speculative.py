@@ -11,7 +11,7 @@ import torch
 from kvcache import PagedKVCache
 from model import ModelConfig, Transformer
 from rollout import Engine
-from speculative import top_p_probs
+from speculative import best_k, top_p_probs
 from sparsity import dense_budget, dense_logprobs, fixed_budget, fraction_budget, page_metadata
 
 
@@ -303,3 +303,34 @@ def test_bench_specdecode_quick_runs():
     assert len(rows) == 3 and "| dense |" in rows[0]
     qwen = [x for x in lines if x.startswith("| Qwen3-1.7B")]
     assert len(qwen) == 2 and all(x.count("x |") == 2 for x in qwen)
+
+
+def test_best_k_maximises_tokens_a_second():
+    """(1 - a^(k+1)) / (1 - a) tokens in k d + v seconds: at a = 0.8, d = 1, v = 4 the rates of
+    k = 1..5 are 0.360, 0.407, 0.422, 0.420, 0.410 (by hand): k = 3. A dearer draft or a lower
+    acceptance never asks for more drafts; a draft that is always right and free asks for all."""
+    assert best_k(0.8, 1.0, 4.0, 8) == 3
+    assert best_k(0.8, 1.0, 4.0, 2) == 2
+    assert best_k(0.5, 1.0, 4.0, 8) <= 3 and best_k(0.8, 3.0, 4.0, 8) <= 3
+    assert best_k(1.0, 1e-3, 1.0, 16) == 16
+
+
+def test_adapt_k_moves_k_to_what_the_last_call_measured():
+    """Engine(adapt_k=K): after a call, k is best_k of that call's per-draft acceptance and costs.
+    A one-page draft that parts from dense (per-draft acceptance about 0.6) on 4 prompt rows
+    brings k = 8 down; a full-budget draft (every draft accepted) takes it to K."""
+    m = tiny_model()
+    kw = dict(max_new_tokens=24, temperature=1.0, eos_ids=[-1])
+    eng = Engine(m, Ids(), speculative=8, adapt_k=12, **kw, **ONE_PAGE)
+    ro = eng.generate([PROMPT], 4, seed=0)
+    t = ro.timings
+    assert t["k"] == 8 and 0.3 < t["accept_geom"] < 0.9
+    want = best_k(t["accept_geom"], t["draft_s"] / (8 * t["verify_calls"]),
+                  t["verify_s"] / t["verify_calls"], 12)
+    assert eng.speculative == want < 8
+    assert eng.generate([PROMPT], 4, seed=0).timings["k"] == want
+    full = Engine(m, Ids(), speculative=2, adapt_k=12, sparse=dense_budget, page_size=4, **kw)
+    full.generate([PROMPT], 4, seed=0)
+    assert full.speculative == 12
+    with pytest.raises(ValueError, match="adapt_k"):
+        Engine(m, Ids(), adapt_k=4, **kw)
