@@ -263,3 +263,23 @@ class Tracker:
         if os.path.exists(png):
             self.lib.log({"run.png": self.lib.Image(png)}, step=self.step)
         self.lib.finish()
+
+
+# bench/RESULTS.md: every results table is a marked block that its command rewrites
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench", "RESULTS.md")
+
+
+def write_block(section, text, path=RESULTS):
+    """Replace what lies between `<!-- bench:<section> -->` and `<!-- /bench:<section> -->` in path.
+    Returns False (and writes nothing) when the file or a marker is missing."""
+    start, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        doc = f.read()
+    a, b = doc.find(start), doc.find(end)
+    if a < 0 or b < a:
+        return False
+    with open(path, "w") as f:
+        f.write(doc[:a + len(start)] + "\n" + text + "\n" + doc[b:])
+    return True

@@ -4,7 +4,8 @@ model; and the comparison of the mask methods on a small model that the project 
 
     python roi.py learn MODEL_DIR --nm=2:4 --steps=300 --out=OUT_DIR  # RoI, distilled from dense
     python roi.py apply MODEL_DIR --nm=2:4 --scores=wanda --out=OUT_DIR  # one-shot mask
-    python roi.py compare --out_dir=out/roi --threads=1 --steps=30  # and 150: bench/RESULTS.md
+    python roi.py compare --out_dir=out/roi --threads=1 --write-results  # bench/RESULTS.md: 3 seeds,
+                                                      # 30 and 150 steps (--seeds, --steps)
 
 MODEL_DIR is a Hugging Face folder (model.Transformer.from_pretrained) with its tokenizer; OUT_DIR
 gets the masked model (save_pretrained: pruned weights stored as zeros), the tokenizer, nm.json and
@@ -34,8 +35,9 @@ Simplifications:
        problems from seed + 30,000, Wanda's 128 calibration problems from seed + 40,000, both
        without the held-out prompts (tasks.load_problems' held-out set, the RL loop's).
     4. Masked dense: the zeros are stored, so the masked model is no faster without a 2:4 kernel.
-    5. compare: one seed, one small model (configs/sharpen.py's warm start, with a clean teacher:
-       sft_noise 0). Perplexity is exp(mean NLL of the reference completion tokens given the
+    5. compare: one small model (configs/sharpen.py's warm start, with a clean teacher: sft_noise
+       0), per seed (--seeds: each seed its own warm start, data and held-out problems; the table
+       gives mean and sd). Perplexity is exp(mean NLL of the reference completion tokens given the
        prompt) on the held-out problems; accuracy is greedy, scored by reward.score. SR-STE and
        RoI get the same steps, batch and loss (KL to the dense model by default).
 
@@ -58,7 +60,7 @@ from transformers import AutoTokenizer
 
 from config import cli, parse_config
 from model import Transformer, swap_module
-from report import hardware
+from report import hardware, write_block
 from reward import score
 from rollout import Engine
 from sparsity import NM_SKIP, SRSTE, apply_nm, nm_linears, nm_mask, wanda_scores
@@ -365,56 +367,82 @@ def mask_with(method, model, tok, n, m, args, data, log):
 
 
 def compare(args, log=print):
-    """Dense, then magnitude, Wanda, SR-STE and RoI at each --nm, on configs/sharpen.py's warm start
-    (the earlier default, with a clean teacher), scored on the RL loop's held-out problems -> rows; writes
-    out_dir/compare_<steps>steps.json and .md."""
+    """For each --seeds seed: dense, then magnitude and Wanda (one-shot) and SR-STE and RoI at each
+    --steps, at each --nm, on configs/sharpen.py's warm start of that seed (the earlier default,
+    with a clean teacher), scored on that seed's held-out problems -> rows; writes
+    out_dir/compare.json and .md (mean and sd over the seeds)."""
+    rows = [r for seed in args.seeds for r in compare_seed(args, seed, log)]
+    with open(os.path.join(args.out_dir, "compare.json"), "w") as f:
+        json.dump(dict(rows=rows, args={k: v for k, v in vars(args).items() if k != "func"},
+                       hardware=hardware(gpu=torch.cuda.is_available())), f, indent=1)
+    table = results_table(rows)
+    with open(os.path.join(args.out_dir, "compare.md"), "w") as f:
+        f.write(table + "\n")
+    log(table)
+    if args.write_results:
+        cmd = "python roi.py " + " ".join(sys.argv[1:])
+        head = (f"Hardware: {hardware(gpu=torch.cuda.is_available())}. Command: `{cmd}`. Seeds "
+                f"{', '.join(map(str, args.seeds))} (each its own warm start and held-out set); "
+                f"mean and sd over the seeds.")
+        write_block("roi", head + "\n\n" + table)
+    return rows
+
+
+def compare_seed(args, seed, log):
+    """One seed's rows: dense, and each (n:m, method, steps)."""
     cfg = parse_config(["configs/sharpen.py", f"--out_dir={args.out_dir}", "--sft_noise=0.0",
-                        f"--seed={args.seed}",
-                        f"--n_eval={args.n_eval}"])
+                        f"--seed={seed}", f"--n_eval={args.n_eval}"])
     dense, tok = build_policy(cfg, "cpu", log)
     _, problems = load_problems(cfg)
     held, seen = trace_batches(tok, problems, 64), {p.prompt for p in problems}
     data = dict(calib=synthetic_problems(cfg, CALIB_PROBLEMS, CALIB_SEED, seen),
-                train=synthetic_problems(cfg, args.steps * args.batch, TRAIN_SEED, seen))
+                train=synthetic_problems(cfg, max(args.steps) * args.batch, TRAIN_SEED, seen))
+    kw = dict(vars(args), seed=seed)
 
-    def row(nm, method, model, secs):
-        r = dict(nm=nm, method=method, ppl=perplexity(model, held),
+    def row(nm, method, steps, model, secs):
+        r = dict(seed=seed, nm=nm, method=method, steps=steps, ppl=perplexity(model, held),
                  acc=greedy_accuracy(model, tok, problems, cfg.max_new_tokens), secs=secs)
-        log(f"{nm} {method}: perplexity {r['ppl']:.4f}, accuracy {r['acc']:.3f}, "
-            f"mask {secs:.0f} s")
+        log(f"seed {seed}, {nm} {method} ({steps} steps): perplexity {r['ppl']:.4f}, accuracy "
+            f"{r['acc']:.3f}, mask {secs:.0f} s")
         return r
 
-    rows = [row("dense", "dense", dense.eval(), 0.0)]
+    rows = [row("dense", "dense", 0, dense.eval(), 0.0)]
     for n, m in args.nm:
         for method in METHODS:
-            model = copy.deepcopy(dense)
-            t0 = time.perf_counter()
-            masks = mask_with(method, model, tok, n, m, args, data, log)
-            secs = time.perf_counter() - t0
-            check_nm(model, masks, n, m)
-            rows.append(row(f"{n}:{m}", method, model, secs))
-    stem = os.path.join(args.out_dir, f"compare_{args.steps}steps")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(rows=rows, args={k: v for k, v in vars(args).items() if k != "func"},
-                       hardware=hardware(gpu=torch.cuda.is_available()),
-                       params=dense.num_params()), f, indent=1)
-    table = results_table(rows)
-    with open(stem + ".md", "w") as f:
-        f.write(table + "\n")
-    log(table)
+            for steps in ([0] if method in ("magnitude", "wanda") else args.steps):
+                model = copy.deepcopy(dense)
+                part = dict(data, train=data["train"][:steps * args.batch])
+                t0 = time.perf_counter()
+                masks = mask_with(method, model, tok, n, m, argparse.Namespace(**kw), part, log)
+                secs = time.perf_counter() - t0
+                check_nm(model, masks, n, m)
+                rows.append(row(f"{n}:{m}", method, steps, model, secs))
     return rows
 
 
 def results_table(rows):
-    """Markdown: one row per (sparsity, method). The traces are nearly determined by their prompt,
-    so perplexities sit near 1: the NLL per token (its log) shows the differences better."""
-    d = rows[0]
-    lines = ["| sparsity | method | held-out NLL, nats/token | perplexity | greedy accuracy "
-             "| vs dense | mask time |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        gap = "" if r is d else f"{r['acc'] - d['acc']:+.3f}"
-        lines.append(f"| {r['nm']} | {r['method']} | {math.log(r['ppl']):.4f} | {r['ppl']:.4f} | "
-                     f"{r['acc']:.3f} | {gap} | {r['secs']:.0f} s |")
+    """Markdown: one row per (sparsity, method, steps), mean and sd over the seeds. The traces are
+    nearly determined by their prompt, so perplexities sit near 1: the NLL per token (its log)
+    shows the differences better."""
+    def ms(xs, f):
+        m = sum(xs) / len(xs)
+        sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+        return f"{m:{f}} ± {sd:{f.lstrip('+')}}"
+
+    keys = list(dict.fromkeys((r["nm"], r["method"], r["steps"]) for r in rows))
+    by = {k: [r for r in rows if (r["nm"], r["method"], r["steps"]) == k] for k in keys}
+    dense = {r["seed"]: r["acc"] for r in by[keys[0]]}
+    lines = ["| sparsity | method | training steps (of --batch traces) | seeds | held-out NLL, "
+             "nats/token | greedy accuracy | vs dense (same seed) | mask time |",
+             "|---|---|---|---|---|---|---|---|"]
+    for k, rs in by.items():
+        nm, method, steps = k
+        gap = "" if k == keys[0] else ms([r["acc"] - dense[r["seed"]] for r in rs], "+.3f")
+        how = "" if nm == "dense" else ("one-shot" if method in ("magnitude", "wanda") else steps)
+        lines.append(f"| {nm} | {method} | {how} | {len(rs)} | "
+                     f"{ms([math.log(r['ppl']) for r in rs], '.4f')} | "
+                     f"{ms([r['acc'] for r in rs], '.3f')} | {gap} | "
+                     f"{sum(r['secs'] for r in rs) / len(rs):.0f} s |")
     return "\n".join(lines)
 
 
@@ -478,6 +506,17 @@ def mask_saved(args, log=print):
         f"weights kept){ppl}")
 
 
+def parse_ints(text):
+    """"30,150" -> [30, 150] (each >= 0)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected ints >= 0, got {text!r}")
+    return out
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="roi.py", description="N:M masks: learned (RoI) or one-shot")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -501,15 +540,19 @@ def build_parser():
     c = sub.add_parser("compare")
     c.add_argument("--out_dir", default="out/roi")
     c.add_argument("--nm", type=parse_nm_list, default=[(2, 4), (2, 8)])
-    c.add_argument("--steps", type=int, default=300)
+    c.add_argument("--steps", type=parse_ints, default=[30, 150],
+                   help="training steps of SR-STE and RoI, comma-separated: a row each")
     c.add_argument("--batch", type=int, default=16)
     c.add_argument("--loss", choices=("kd", "lm"), default="kd")
     c.add_argument("--init", choices=("magnitude", "wanda"), default="wanda")
     c.add_argument("--roi_lr", type=float, default=0.05)
     c.add_argument("--srste_lr", type=float, default=3e-4)
     c.add_argument("--n_eval", type=int, default=500)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seeds", type=parse_ints, default=[0, 1, 2],
+                   help="comma-separated: each seed its own warm start, data and held-out set")
     c.add_argument("--threads", type=int, default=1)
+    c.add_argument("--write-results", dest="write_results", action="store_true",
+                   help="rewrite bench/RESULTS.md's roi block")
     return p
 
 

@@ -1,6 +1,7 @@
 """
 bench/common.py: what every section shares. The hardware string a row names, the timer, the table's
-row and head, the writer of bench/RESULTS.md, and the random model the speed sections time.
+row and head, the writer of bench/RESULTS.md (report.write_block), and the random model the speed
+sections time.
 
 Simplifications:
     1. A time is the best of a few runs after a warm-up (the minimum is the least noisy estimate of
@@ -19,9 +20,8 @@ import time
 import torch
 
 from model import ModelConfig, Transformer
-from report import hardware  # noqa: F401  (the sections import it from here)
+from report import RESULTS, hardware, write_block  # noqa: F401  (the sections import them here)
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 TABLE_HEAD = ["| figure | ours | baseline | ratio | target | hardware | command |",
               "|---|---|---|---|---|---|---|"]
 
@@ -47,22 +47,6 @@ def best_of(fns, repeats, warmup=1):
 def row(figure, ours, base, ratio, target, hw, cmd):
     """One line of the seven-column table (TABLE_HEAD)."""
     return f"| {figure} | {ours} | {base} | {ratio:.2f}x | {target} | {hw} | `{cmd}` |"
-
-
-def write_block(section, text, path=RESULTS):
-    """Replace what lies between `<!-- bench:<section> -->` and `<!-- /bench:<section> -->` in path.
-    Returns False (and writes nothing) when the file or a marker is missing."""
-    start, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
-    if not os.path.exists(path):
-        return False
-    with open(path) as f:
-        doc = f.read()
-    a, b = doc.find(start), doc.find(end)
-    if a < 0 or b < a:
-        return False
-    with open(path, "w") as f:
-        f.write(doc[:a + len(start)] + "\n" + text + "\n" + doc[b:])
-    return True
 
 
 class _Ids:

@@ -4,6 +4,7 @@ a dense gradient with its decay on pruned weights only, fixed masks survive Adam
 decay, RoI's gradients reach its logits and its final mask is valid, and `roi.py apply` / `learn`
 round-trip through save_pretrained / from_pretrained."""
 import json
+import math
 import os
 import random
 
@@ -290,3 +291,21 @@ def test_training_and_calibration_problems_are_never_held_out():
     for offset in (roi.TRAIN_SEED, roi.CALIB_SEED):
         drawn = roi.synthetic_problems(cfg, 500, offset, held)
         assert len(drawn) == 500 and not held & {p.prompt for p in drawn}
+
+
+def test_compare_table_gives_mean_and_sd_over_seeds_and_the_gap_to_the_same_seeds_dense():
+    """roi.py compare's table: one row per (sparsity, method, steps), the NLL and accuracy as mean
+    ± sd over the seeds, and the accuracy gap to dense taken seed by seed."""
+    rows = [dict(seed=s, nm="dense", method="dense", steps=0, ppl=1.0, acc=a, secs=0.0)
+            for s, a in ((0, 1.0), (1, 0.9))]
+    rows += [dict(seed=s, nm="2:4", method="roi", steps=30, ppl=math.exp(x), acc=a, secs=10.0)
+             for s, x, a in ((0, 0.01, 0.9), (1, 0.03, 0.9))]
+    lines = roi.results_table(rows).splitlines()
+    assert len(lines) == 4
+    cells = [c.strip() for c in lines[3].split("|")[1:-1]]
+    assert cells[:4] == ["2:4", "roi", "30", "2"]
+    assert cells[4] == "0.0200 ± 0.0141"  # NLL mean, sample sd of 0.01 and 0.03
+    assert cells[5] == "0.900 ± 0.000" and cells[6] == "-0.050 ± 0.071"  # gaps -0.1 and 0.0
+    assert roi.parse_ints("30,150") == [30, 150]
+    with pytest.raises(Exception, match="ints"):
+        roi.parse_ints("30,x")
