@@ -1,83 +1,87 @@
 """
 examples/rnm_td3.py: TD3 trained from scratch with row-wise N:M sparse networks (RNM-TD3). In the
-actor, the twin critics and their three target networks, every layer past the first (every layer,
-with --input_layer=nm) keeps, in each output row, at most n nonzero weights in each group of m
-consecutive inputs, from the first step to the last, and only the active weights are ever updated.
-Dense TD3 is the same code with no masks.
+actor, the twin critics and their three target networks, every layer keeps, in each output row, at
+most n nonzero weights in each group of m consecutive inputs, from the first step to the last; the
+masks are updated every --mask_every steps (prune and regrow inside each group), and only the
+active weights are ever updated. Dense TD3 is the same code with no masks.
 
     python examples/rnm_td3.py --sparsity=2:4 --seed=0 --steps=30000   # one run, Pendulum-v1
-    python examples/rnm_td3.py --sparsity=dense                        # the dense baseline
-    python examples/rnm_td3.py --compare       # dense, 2:4, 1:4, 1:8 x seeds 0, 1, 2: 12 runs of
-                                               # 20,000 steps, about 3 minutes each on a free core
-    python examples/rnm_td3.py --env=HalfCheetah-v5 --steps=1000000 --start_steps=25000
-                                               # MuJoCo: `pip install mujoco imageio` first
-    python -m pytest -q tests/test_rnm_td3.py  # the mask invariants on a few hundred steps
+    python examples/rnm_td3.py --sparsity=1:4 --mask_every=0           # a fixed mask
+    python examples/rnm_td3.py --compare       # dense, 2:4, 1:4, 1:8 x seeds 0, 1, 2 on Pendulum
+    python examples/rnm_td3.py --compare --env=Hopper-v5 --steps=300000 --start_steps=25000 \
+        --eval_every=5000                      # MuJoCo: `pip install mujoco imageio` first
+    python -m pytest -q tests/test_rnm_td3.py  # the mask rule and invariants, in seconds
 
 What a run does, top to bottom:
     1. Builds the six networks (actor, critic 1, critic 2 and a target copy of each), MLPs of two
-       hidden layers. With --sparsity=n:m each Linear but the first (Simplification 2) gets a
-       fixed N:M mask (below) and its pruned weights are zeroed; each target network is copied
-       from its online network after that, so it starts with the same zeros and takes its mask.
+       hidden layers. With --sparsity=n:m every Linear, the first included (Simplification 2),
+       gets an N:M mask by magnitude and its pruned weights are zeroed; each target is copied
+       from its online network after that, so it starts with the same zeros and shares its mask.
     2. Acts at random for --start_steps steps, then with the actor plus Gaussian noise, storing
        every transition in a replay buffer.
     3. Each step after that, one TD3 update on a batch from the buffer: both critics regress onto
        r + gamma * min(Q1', Q2')(s', clip(actor'(s') + clipped noise)); every --policy_delay
-       steps the actor ascends Q1(s, actor(s)) and the targets move by Polyak averaging.
+       steps the actor ascends Q1(s, actor(s)) and the targets move by Polyak averaging. On a
+       multiple of --mask_every, that update also updates the masks (below).
     4. Every --eval_every steps, the mean return of --eval_episodes noise-free episodes on a
        separately seeded environment. The final return is the mean of the last --final_evals.
 
-The mask rule: a FIXED magnitude mask, chosen once at initialisation and never updated. From
-scratch, the largest |w| of each group at init is a random N:M pattern, and that is the point: the
-network learns to use the connections it was given. Why not periodic prune-and-regrow: the method
-this follows found that less frequent mask updates did better in RL, where the targets move and a
-connection that looks unimportant now may matter later; never updating is the limit of that, costs
-nothing, and keeps the rule "only active weights update" exact, with no regrown weight restarting
-from zero under a stale Adam state. Why not SR-STE: it keeps a dense latent copy whose pruned
-weights keep moving, which is not "only the active weights update".
+The mask rule: magnitude at initialisation (from scratch, a random N:M pattern), then every
+--mask_every steps (default 5,000; 0 = a fixed mask) a RigL-style prune-and-regrow confined to each
+group of m, so every row stays N:M. It runs in masked_step between the backward and the masking of
+the gradient, so it sees the DENSE gradient of the batch's loss (TD loss for the critics, actor
+loss for the actor). In each group: drop candidate = the active weight with the smallest |w|; grow
+candidate = the inactive weight with the largest |gradient|; gain = that |gradient|. The fraction f
+of a layer's groups with the largest gain swap the two (never a group with gain 0, e.g. only pad
+columns inactive); f(t) = --drop_fraction * (1 + cos(pi t / --steps)) / 2, RigL's cosine, 0.3 to 0
+by default. One swap per group: an update moves at most f / n of the active weights (logged).
+    A dropped weight is set to 0, with its Adam moments and its TARGET entry (Polyak would keep a
+stale value there, decaying by 1 - tau a step but never reaching 0). A regrown weight and its
+target entry start at 0 (pruned until now, they were) with Adam moments 0; its gradient is kept in
+the same step, so it trains at once, and its target follows it by Polyak.
+    Why 5,000: the method found LESS frequent mask updates better in RL, where the targets move and
+a connection that looks useless now may matter later; 5,000 is rare next to RigL's 100 and still
+gives 200 updates in a 1M-step MuJoCo run (3 that move in the 20,000-step Pendulum run). SR-STE is
+not used: its dense latent copy keeps pruned weights moving, not "only the active weights update".
 
-How the pruned weights stay exactly 0: after each backward and before each Adam step, the gradient
-of every masked weight is multiplied by its mask (`masked_step`). A pruned entry then has a zero
-gradient from the first step on, so Adam's first and second moments there stay exactly 0 and its
-update, lr * m / (sqrt(v) + eps), is exactly 0: momentum cannot move it. Polyak averaging of two
-zeros is zero, so the targets keep the zeros too. Nothing re-zeroes the weights after a step; the
-test checks the weights, the targets and Adam's moments directly.
+How the pruned weights stay exactly 0: before each Adam step the gradient of every masked weight
+is multiplied by its mask, so Adam's two moments on a pruned entry stay exactly 0 (zeroed when it
+was dropped) and so does its update, lr * m / (sqrt(v) + eps); Polyak of two zeros is zero. Nothing
+re-zeroes the weights after a step; the tests check weights, targets and moments directly.
 
 Simplifications:
-    1. Masked dense: the zeros are stored and multiplied. On this CPU a sparse run costs as much
-       time as a dense one (a little more: the mask multiply); the FLOPs column counts what an N:M
-       kernel would do.
-    2. The input layer stays dense by default (--input_layer=dense): the observation (actor) or
-       observation + action (critics) is rarely a multiple of m (Pendulum: 3 and 4 inputs), and
-       the layer is small (3 x 256 or 4 x 256 weights on Pendulum, against 256 x 256 in the layer
-       after it: 1% of a dense network's weights, 8-10% of a 1:8 one's). --input_layer=nm makes
-       it N:M too: the input is zero-padded to the next multiple of m and the row groups run over
-       the padded width. Its pad columns start at 0, so magnitude never keeps a pad column over a
-       real input; a group with fewer than n real inputs keeps pad slots, which stay 0 (their
-       input is 0, so is their gradient).
-       Why dense is the default: with an N:M input layer at 1:4 or 1:8 each first-layer unit
-       sees exactly one of Pendulum's 3 or 4 inputs, and those arms barely learned in the
-       comparison, while with a dense input layer they learned about as well as dense TD3
-       (bench/RESULTS.md has both tables). Dense networks are never padded.
+    1. Masked dense: the zeros are stored and multiplied, so on this CPU a sparse run takes a dense
+       one's time (a little more); the FLOPs column counts what an N:M kernel would do.
+    2. The input layer is N:M by default, as the method makes all six networks N:M: the input is
+       zero-padded to a multiple of m. Pad columns start at 0 and get a zero gradient, so a pad
+       slot is kept only where a group has fewer than n real inputs, drops first and never
+       regrows. --input_layer=dense keeps that small layer dense: Pendulum's 3 (actor) and 4
+       (critic) inputs leave each first-layer unit ONE input at 1:4 and 1:8, and with fixed masks
+       those arms barely learned, while with a dense first layer they learned about as well as
+       dense TD3 (bench/RESULTS.md). MuJoCo's inputs (Hopper 11, HalfCheetah 17) are wider.
     3. The output layer is N:M like the others: its inputs are the hidden width, which must be a
        multiple of m (--hidden=256 or 128 suit 2:4, 1:4 and 1:8). Biases stay dense.
     4. The parameter count is the mask's kept slots plus the biases (what an N:M format stores),
        pad slots included. FLOPs per update count only the matmuls: 2 per active weight per sample
-       forward, twice that backward; elementwise ops, Adam and Polyak are left out. The backward's
-       input-gradient matmul uses W transposed, which is N:M along columns, not rows: hardware
-       that accelerates only row-wise N:M would not speed it up, so the column is a best case.
+       forward, twice that backward; elementwise ops, Adam, Polyak and mask updates are left out.
+       The backward's input-gradient matmul uses W transposed, N:M along columns, not rows:
+       hardware that accelerates only row-wise N:M would not speed it up (a best case).
     5. TD3 as published (Fujimoto et al.), with no tuning for sparsity: Adam 3e-4 for both,
        batch 256, gamma 0.99, tau 0.005, policy noise 0.2 clipped at 0.5, policy delay 2,
        exploration noise 0.1 (noise scales are in units of the action bound). Episodes cut by a
        time limit bootstrap; only true terminations do not. No observation normalisation.
-    6. The comparison is Pendulum-v1 for 20,000 steps, a budget that fits 12 runs on one CPU
-       thread: a small task and a short run, so it shows how fast each sparsity learns more than
-       where it would end. Its tables and plot: bench/RESULTS.md, assets/rnm_td3.png.
+    6. The default comparison is Pendulum-v1 for 20,000 steps (12 runs fit one CPU thread), a
+       small task and a short run; the method's claim is on MuJoCo over 1M steps (--env takes any
+       gymnasium Box task). --compare prints its table (final return mean ± std per arm, and a line
+       on the claim: 2:4 and 1:4 beat dense, 1:8 stays competitive) and writes it with its plot
+       under --out/<env>; --write-results puts them in bench/RESULTS.md and assets/ instead.
 """
 
 import argparse
 import copy
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -96,8 +100,8 @@ from sparsity import nm_mask  # noqa: E402
 
 ARMS = ["dense", "2:4", "1:4", "1:8"]
 NETS = ["actor", "critic1", "critic2"]  # each has a target copy, "<name>_t"
-LAYER_TEXT = {"dense": "first layer dense, every other layer N:M",
-              "nm": "every layer N:M, inputs zero-padded to a multiple of m"}
+LAYER_TEXT = {"nm": "every layer N:M, inputs zero-padded to a multiple of m",
+              "dense": "first layer dense, every other layer N:M"}
 
 
 def parse_args(argv=None):
@@ -109,8 +113,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20000, help="environment steps")
     p.add_argument("--start_steps", type=int, default=1000, help="random actions first")
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--input_layer", default="dense", choices=["dense", "nm"],
-                   help="the first layer: dense, or N:M over inputs zero-padded to m")
+    p.add_argument("--input_layer", default="nm", choices=["nm", "dense"],
+                   help="the first layer: N:M over inputs zero-padded to m, or dense")
+    p.add_argument("--mask_every", type=int, default=5000,
+                   help="steps between mask updates (prune and regrow); 0: a fixed mask")
+    p.add_argument("--drop_fraction", type=float, default=0.3,
+                   help="the fraction of groups that swap a weight, cosine-annealed to 0")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--gamma", type=float, default=0.99)
@@ -125,8 +133,12 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compare", action="store_true", help="dense, 2:4, 1:4, 1:8 over --seeds")
     p.add_argument("--seeds", type=int, default=3, help="--compare: seeds 0 .. seeds-1")
-    p.add_argument("--out", default=os.path.join(ROOT, "out", "rnm_td3"), help="--compare's runs")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "rnm_td3"), help="--compare's files")
+    p.add_argument("--write-results", action="store_true", help="--compare: into bench/, assets/")
+    cfg = p.parse_args(argv)
+    if cfg.mask_every % cfg.policy_delay:  # the actor's mask update needs an actor step
+        p.error(f"--mask_every={cfg.mask_every} is not a multiple of --policy_delay")
+    return cfg
 
 
 def parse_sparsity(text):
@@ -177,9 +189,9 @@ class MLP(nn.Module):
 
 
 def mask_net(net, nm, dense_first):
-    """Fix an N:M magnitude mask on every Linear of net (the first one excepted when dense_first),
-    zero its pruned weights, and return the masks, one float (out, in) tensor per layer (1 =
-    active; None for a dense first layer). Dense networks (nm None): None."""
+    """The initial N:M magnitude mask on every Linear of net (the first one excepted when
+    dense_first): zero the pruned weights and return the masks, one float (out, in) tensor per
+    layer (1 = active; None for a dense first layer). Dense networks (nm None): None."""
     if nm is None:
         return None
     masks = [None] if dense_first else []
@@ -191,7 +203,7 @@ def mask_net(net, nm, dense_first):
     return masks
 
 
-def build_agent(obs_dim, act_dim, max_action, hidden, nm, lr, input_layer="dense"):
+def build_agent(obs_dim, act_dim, max_action, hidden, nm, lr, input_layer="nm"):
     """The six networks, their masks ({online name: [mask per layer]}, shared by the target) and
     the two optimizers (one Adam for the actor, one over both critics)."""
     m = 1 if nm is None else nm[1]
@@ -222,15 +234,69 @@ def masked_pairs(agent, names):
             for layer, mask in zip(agent[name].layers, agent["masks"][name]) if mask is not None]
 
 
-def masked_step(opt, loss, pairs):
+def masked_step(opt, loss, pairs, rewire=None):
     """One optimizer step on loss in which pruned weights get no gradient. Zeroing the gradient
     BEFORE the step keeps Adam's moments at exactly 0 on pruned entries, so its update there is
-    exactly 0 (no momentum, no bias-corrected leftovers), now and at every later step."""
+    exactly 0 (no momentum, no bias-corrected leftovers), now and at every later step. rewire, when
+    given, runs between the backward and the masking (it sees the dense gradient and may change
+    the masks in place); its result is returned."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    moved = rewire() if rewire is not None else None
     for weight, mask in pairs:
         weight.grad.mul_(mask)
     opt.step()
+    return moved
+
+
+def regrow_mask(weight, grad, mask, m, frac):
+    """One layer's mask update (the mask rule): in each group of m inputs of each row, the drop
+    candidate is the active weight with the smallest |w|, the grow candidate the inactive one with
+    the largest |grad|; the round(frac * groups) groups whose grow candidate has the largest |grad|
+    (if nonzero) swap the two. weight, grad, mask (out, in) -> the new float mask, N:M again."""
+    active = mask.reshape(-1, m).bool()  # (groups, m)
+    w, g = weight.abs().reshape(-1, m), grad.abs().reshape(-1, m)
+    drop = w.masked_fill(~active, float("inf")).argmin(-1)  # (groups,)
+    gain, grow = g.masked_fill(active, -1.0).max(-1)  # -1: nothing inactive (n == m)
+    chosen = gain.topk(int(round(frac * len(gain)))).indices
+    chosen = chosen[gain[chosen] > 0]
+    new = active.clone()
+    new[chosen, drop[chosen]] = False
+    new[chosen, grow[chosen]] = True
+    return new.reshape(mask.shape).float()
+
+
+@torch.no_grad()
+def update_masks(agent, names, opt, frac):
+    """The mask update of the named online networks from the dense gradients in .grad. Every entry
+    that changed, dropped or regrown, is set to 0 in the weight, in Adam's two moments and in the
+    target network; the masks change in place, so the masked pairs and the targets follow. Returns
+    (active slots that moved, active slots)."""
+    moved = total = 0
+    for name in names:
+        target = agent[f"{name}_t"].layers
+        for i, (layer, mask) in enumerate(zip(agent[name].layers, agent["masks"][name])):
+            if mask is None:
+                continue
+            w = layer.weight
+            new = regrow_mask(w, w.grad, mask, agent["nm"][1], frac)
+            changed = new != mask
+            w[changed] = 0
+            target[i].weight[changed] = 0  # else Polyak keeps a stale value at a dropped entry
+            for moment in (opt.state[w].get(k) for k in ("exp_avg", "exp_avg_sq")):
+                if moment is not None:  # none before the first step
+                    moment[changed] = 0
+            moved, total = moved + int((new > mask).sum()), total + int(new.sum())
+            mask.copy_(new)
+    return moved, total
+
+
+def swap_fraction(cfg, step):
+    """The fraction of groups that swap a weight at this step's mask update, cosine-annealed from
+    cfg.drop_fraction to 0 at the last step; None when no update is due."""
+    if not cfg.mask_every or step % cfg.mask_every:
+        return None
+    return cfg.drop_fraction * (1 + math.cos(math.pi * step / cfg.steps)) / 2
 
 
 # -------------------------------------------------------------------------------------- TD3
@@ -266,7 +332,9 @@ def act(agent, obs):
 
 def td3_update(agent, batch, step, cfg, gen):
     """One TD3 update: both critics every step; the actor and the three targets every
-    cfg.policy_delay steps."""
+    cfg.policy_delay steps; the masks every cfg.mask_every steps (a multiple of policy_delay, so
+    the actor updates then too). Returns (active slots that moved, active slots) on a mask
+    update, else None."""
     obs, action, rew, next_obs, done = batch  # (B, obs), (B, act), (B, 1), (B, obs), (B, 1)
     max_a = agent["max_action"]
     with torch.no_grad():
@@ -277,16 +345,27 @@ def td3_update(agent, batch, step, cfg, gen):
         sa = torch.cat([next_obs, next_a], 1)
         q_next = torch.min(agent["critic1_t"](sa), agent["critic2_t"](sa))  # clipped double Q
         target = rew + cfg.gamma * (1 - done) * q_next
+    frac = swap_fraction(cfg, step) if agent["nm"] is not None else None
+
+    def rewire(names, opt):  # the mask update, when one is due
+        return None if frac is None else lambda: update_masks(agent, names, agent[opt], frac)
+
     sa = torch.cat([obs, action], 1)
     critic_loss = (F.mse_loss(agent["critic1"](sa), target)
                    + F.mse_loss(agent["critic2"](sa), target))
-    masked_step(agent["critic_opt"], critic_loss, masked_pairs(agent, ["critic1", "critic2"]))
+    critics = ["critic1", "critic2"]
+    moved = masked_step(agent["critic_opt"], critic_loss, masked_pairs(agent, critics),
+                        rewire(critics, "critic_opt"))
     if step % cfg.policy_delay == 0:
         pi = torch.tanh(agent["actor"](obs)) * max_a
         # also fills the critics' .grad, which the next critic step's zero_grad clears
         actor_loss = -agent["critic1"](torch.cat([obs, pi], 1)).mean()
-        masked_step(agent["actor_opt"], actor_loss, masked_pairs(agent, ["actor"]))
+        moved_a = masked_step(agent["actor_opt"], actor_loss, masked_pairs(agent, ["actor"]),
+                              rewire(["actor"], "actor_opt"))
         polyak(agent, cfg.tau)
+        if moved is not None:
+            moved = (moved[0] + moved_a[0], moved[1] + moved_a[1])
+    return moved
 
 
 @torch.no_grad()
@@ -324,7 +403,7 @@ def train(cfg, log=print):
     buf = Replay(obs_dim, act_dim, cfg.steps)
     obs, _ = env.reset(seed=cfg.seed)
     env.action_space.seed(cfg.seed)
-    hist = {"step": [], "return": []}
+    hist = {"step": [], "return": [], "mask_moved": []}  # mask_moved: [step, fraction] per update
     t0 = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         if step <= cfg.start_steps:
@@ -336,7 +415,11 @@ def train(cfg, log=print):
         buf.add(obs, action, rew, next_obs, terminated)  # a time-limit cut still bootstraps
         obs = env.reset()[0] if terminated or truncated else next_obs
         if step > cfg.start_steps:
-            td3_update(agent, buf.sample(cfg.batch, gen), step, cfg, gen)
+            moved = td3_update(agent, buf.sample(cfg.batch, gen), step, cfg, gen)
+            if moved is not None:
+                hist["mask_moved"].append([step, moved[0] / moved[1]])
+                log(f"{cfg.sparsity:>5} seed {cfg.seed} | step {step:6d} | mask update: "
+                    f"{moved[0] / moved[1]:.1%} of the active weights moved")
         if step % cfg.eval_every == 0:
             ret = evaluate(agent, eval_env, cfg.eval_episodes, seed=10_000 + 100 * cfg.seed)
             hist["step"].append(step)
@@ -377,9 +460,11 @@ def run_or_load(cfg, log, run=True):
     """One comparison run, or its saved history when a run with the same settings is on disk (so
     a stopped --compare resumes); None when there is none and run is False. The history is saved
     with the settings that made it."""
-    keys = {k: v for k, v in vars(cfg).items() if k not in ("compare", "seeds", "out", "threads")}
+    keys = {k: v for k, v in vars(cfg).items()
+            if k not in ("compare", "seeds", "out", "threads", "write_results")}
     layer = "" if cfg.sparsity == "dense" else f"_{cfg.input_layer}"
-    path = os.path.join(cfg.out, f"{cfg.sparsity.replace(':', 'of')}{layer}_seed{cfg.seed}.json")
+    path = os.path.join(cfg.out, cfg.env,
+                        f"{cfg.sparsity.replace(':', 'of')}{layer}_seed{cfg.seed}.json")
     if os.path.exists(path):
         with open(path) as f:
             saved = json.load(f)
@@ -389,7 +474,7 @@ def run_or_load(cfg, log, run=True):
     if not run:
         return None
     _, hist = train(cfg, log)
-    os.makedirs(cfg.out, exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"cfg": keys, "hist": hist}, f)
     return hist
@@ -442,55 +527,86 @@ def table(cfg, results, obs_dim, act_dim, dense_finals):
     return lines
 
 
-def results_block(cfg, variants, obs_dim, act_dim):
-    """The markdown that goes between the rnm_td3 markers of bench/RESULTS.md: the settings, then
-    one table per input-layer choice that has all its runs."""
+def paper_check(results):
+    """The line that holds one table (seeds alike in every arm) against the method's claim: 2:4 and
+    1:4 beat dense, 1:8 stays competitive. A gap of means is beyond noise past two standard errors
+    of the difference."""
+    final = {arm: np.array([h["final"] for h in hists]) for arm, hists in results.items()}
+    dense, parts = final["dense"], []
+    for arm, claim in (("2:4", "beat"), ("1:4", "beat"), ("1:8", "competitive")):
+        f = final[arm]
+        gap = f.mean() - dense.mean()
+        se = np.sqrt((f.var(ddof=1) + dense.var(ddof=1)) / len(f)) if len(f) > 1 else np.inf
+        if claim == "beat":
+            verdict = ("beats dense: agrees" if gap > 2 * se else
+                       "above dense within noise: agrees in sign only" if gap > 0 else
+                       "below dense within noise: does not agree" if gap >= -2 * se else
+                       "below dense beyond noise: disagrees")
+        else:
+            verdict = ("not below dense beyond noise: agrees" if gap >= -2 * se else
+                       "below dense beyond noise: disagrees")
+        parts.append(f"{arm} {gap:+.0f} (2 se {2 * se:.0f}), {verdict}")
+    return ("Against the claim (2:4 and 1:4 beat dense, 1:8 stays competitive), the mean final "
+            "return minus dense's: " + "; ".join(parts) + ".")
+
+
+def results_block(cfg, variants, obs_dim, act_dim, name="rnm_td3"):
+    """The markdown that goes between the `name` markers of bench/RESULTS.md: the settings, then
+    one table per input-layer choice that has all its runs, each with the line on the claim."""
     hists = [h for results in variants.values() for runs in results.values() for h in runs]
     dense_finals = np.array([h["final"] for h in variants[cfg.input_layer]["dense"]])
     last = hists[0]["step"][-cfg.final_evals]
     defaults = vars(parse_args([]))
     command = " ".join(["python examples/rnm_td3.py --compare"]
                        + [f"--{k}={v}" for k, v in vars(cfg).items()
-                          if k not in ("compare", "sparsity", "seed", "input_layer")
-                          and v != defaults[k]])
+                          if k not in ("compare", "sparsity", "seed", "input_layer",
+                                       "write_results") and v != defaults[k]])
     before = ", before any update" if cfg.eval_every <= cfg.start_steps else ""
+    moved = [f for h in hists for _, f in h.get("mask_moved", [])]
+    masks = (f"updated every {cfg.mask_every:,} steps (in each group, drop the smallest |w|, grow "
+             f"the largest |gradient|; swap fraction {cfg.drop_fraction} cosine-annealed to 0; "
+             f"{np.mean(moved or [0]):.1%} of the active weights moved per update, mean over "
+             f"{len(moved)} updates in all)" if cfg.mask_every else "fixed")
+    other = "dense" if cfg.input_layer == "nm" else "nm"
     lines = [
         "## N:M sparse TD3 from scratch (RNM-TD3)", "",
-        f"`{command}` (examples/rnm_td3.py; `--input_layer=nm` for the second table). "
+        f"`{command}` (examples/rnm_td3.py; `--input_layer={other}` for a second table). "
         f"Hardware: {hardware()}. {cfg.env}, {cfg.steps:,} environment steps "
         f"({cfg.start_steps:,} random first), TD3 with 2 x {cfg.hidden} hidden units and batch "
         f"{cfg.batch}, seeds 0 to {cfg.seeds - 1}. Final return: the mean of the last "
         f"{cfg.final_evals} evaluations (steps {last:,} to {cfg.steps:,}, {cfg.eval_episodes} "
         f"noise-free episodes each); the first evaluation (step {cfg.eval_every:,}{before}) "
-        f"averaged {np.mean([h['return'][0] for h in hists]):.0f}. Masks: fixed magnitude N:M "
-        f"at initialisation on all six networks. Parameters: kept weight slots plus biases; "
+        f"averaged {np.mean([h['return'][0] for h in hists]):.0f}. Masks: N:M by magnitude at "
+        f"initialisation on all six networks, {masks}. Parameters: kept weight slots plus biases; "
         f"FLOPs: the matmuls of one update (critics every step, actor every {cfg.policy_delay}), "
         f"as an N:M kernel would do them. Runs: {sum(h['seconds'] for h in hists) / 60:.0f} "
-        f"minutes in all. Curves: [assets/rnm_td3.png](../assets/rnm_td3.png)."]
+        f"minutes in all. Curves: [assets/{name}.png](../assets/{name}.png)."]
     for layer, results in variants.items():
         lines += ["", f"{LAYER_TEXT[layer][0].upper()}{LAYER_TEXT[layer][1:]} "
                       f"(`--input_layer={layer}`):", ""]
         layer_cfg = argparse.Namespace(**{**vars(cfg), "input_layer": layer})
         lines += table(layer_cfg, results, obs_dim, act_dim, dense_finals)
+        lines += ["", paper_check(results)]
     return "\n".join(lines)
 
 
-def write_results(text, path=os.path.join(ROOT, "bench", "RESULTS.md")):
-    """Put text between the rnm_td3 markers of RESULTS.md, appending the markers at the end of
-    the file the first time."""
+def write_results(text, name, path=os.path.join(ROOT, "bench", "RESULTS.md")):
+    """Put text between the `name` markers of RESULTS.md, appending the markers at the end of the
+    file the first time."""
     with open(path) as f:
         doc = f.read()
-    if "<!-- bench:rnm_td3 -->" not in doc:
+    if f"<!-- bench:{name} -->" not in doc:
         with open(path, "a") as f:
             f.write(("" if doc.endswith("\n") else "\n")
-                    + "\n<!-- bench:rnm_td3 -->\n<!-- /bench:rnm_td3 -->\n")
-    write_block("rnm_td3", text, path)
+                    + f"\n<!-- bench:{name} -->\n<!-- /bench:{name} -->\n")
+    write_block(name, text, path)
 
 
 def compare(cfg, log=print):
     """dense, 2:4, 1:4 and 1:8 over seeds 0 .. cfg.seeds - 1, seed by seed (a stopped comparison
-    has every arm on its first seeds), with cfg.input_layer. The other input-layer choice joins
-    the plot and the results block when all its runs are on disk (the dense runs are shared)."""
+    has every arm on its first seeds), with cfg.input_layer; the other input-layer choice joins when
+    all its runs are on disk (the dense runs are shared). The table and plot go under cfg.out/<env>,
+    or into RESULTS.md and assets/ (their own block and plot for an env other than Pendulum)."""
     variants = {}
     other = "nm" if cfg.input_layer == "dense" else "dense"
     for layer in (cfg.input_layer, other):
@@ -505,10 +621,15 @@ def compare(cfg, log=print):
             variants[layer] = results
     env = make_env(cfg.env)
     obs_dim, act_dim = env.observation_space.shape[0], env.action_space.shape[0]
-    plot(variants, os.path.join(ROOT, "assets", "rnm_td3.png"), cfg.env)
-    text = results_block(cfg, variants, obs_dim, act_dim)
+    name = "rnm_td3" + ("" if cfg.env == "Pendulum-v1" else "_" + cfg.env.lower().replace("-", "_"))
+    text = results_block(cfg, variants, obs_dim, act_dim, name)
     print(text)
-    write_results(text)
+    if cfg.write_results:
+        plot(variants, os.path.join(ROOT, "assets", f"{name}.png"), cfg.env)
+        return write_results(text, name)
+    plot(variants, os.path.join(cfg.out, cfg.env, f"{name}.png"), cfg.env)
+    with open(os.path.join(cfg.out, cfg.env, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
 
 
 def main():
