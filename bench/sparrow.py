@@ -123,6 +123,11 @@ def summary(history):
             "gap0": gaps[0] if gaps else nan, "gap1": gaps[-1] if gaps else nan,
             "tv": nanmean([r.get("tv_tail", nan) for r in recs]),
             "accept": nanmean([r.get("spec_accept", nan) for r in recs]),
+            # speculative: the decode time's share in the draft steps (the rest: the verifies)
+            "draft_share": (lambda d, v: d / (d + v) if d + v else nan)(
+                sum(r.get("spec_draft_s", 0.0) for r in recs),
+                sum(r.get("spec_verify_s", 0.0) for r in recs)),
+            "per_verify": nanmean([r.get("spec_per_verify", nan) for r in recs]),
             "curve": [(r["step"], r["reward"], r.get("acc")) for r in recs]}
 
 
@@ -138,7 +143,7 @@ def spread(xs):
 def aggregate(runs):
     """One arm's seeds (summaries) -> {figure: (mean, sd)}, per-bin means, and the mean curve."""
     keys = ("reward0", "reward1", "acc0", "acc", "alpha", "p5", "kv_read", "speedup", "gap0",
-            "gap1", "tv", "accept")
+            "gap1", "tv", "accept", "draft_share", "per_verify")
     # .get: a record made before a figure existed (a dense run needs none of the sparse ones)
     out = {k: spread([r.get(k, float("nan")) for r in runs]) for k in keys}
     out["ms"] = spread([1e3 * r["gen_s"] / r["tokens"] for r in runs])
@@ -336,6 +341,9 @@ def run(quick, cmd, jobs=1):
 def table(results, runs, pred, cfg, seeds, cmd):
     """The arms' table, then the predictors' rank correlations."""
     pm = lambda m_sd, f=".3f": "-" if m_sd[0] != m_sd[0] else f"{m_sd[0]:{f}} ± {m_sd[1]:{f}}"
+    spec = lambda a: ("" if a["draft_share"][0] != a["draft_share"][0] else
+                      f"; {a['per_verify'][0]:.1f} tokens a verify, draft "
+                      f"{a['draft_share'][0]:.0%} of decode")
     ceiling = next((a["speedup"][0] for n, a in results.items() if n.startswith("(b)")), None)
     rows = []
     for name, a in results.items():
@@ -345,7 +353,7 @@ def table(results, runs, pred, cfg, seeds, cmd):
                     f"{pm(a['speedup'], '.2f')}{of} | {pm(a['gap0'])} | {pm(a['gap1'])} | "
                     f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['reward0'])} -> "
                     f"{pm(a['reward1'])} | {pm(a['p5'])} | {pm(a['tv'], '.2f')} | "
-                    f"{pm(a['accept'])} | {a['tables'][0] or '-'} |")
+                    f"{pm(a['accept'])}{spec(a)} | {a['tables'][0] or '-'} |")
     head = [f"Hardware: {hardware()}. Command: `{cmd}`. {CONFIG}, seeds "
             f"{', '.join(map(str, seeds))} (one warm start, sft_seed 0; the seed varies the pool, "
             f"the held-out set and the sampling), {cfg.steps} steps of {cfg.prompts_per_step} x "
