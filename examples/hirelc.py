@@ -3,71 +3,67 @@ examples/hirelc.py: a HiReLC-style search for the rollout copy's compression, bl
 decoder block of the policy gets an N:M pattern (or dense) and a precision (bf16, fp8, int8); the
 search looks for the copy that the cost model says is fastest while the per-position mismatch
 against the policy keeps its tail: p5 of alpha = 1 - TV, per bin of cached length, at or above the
-threshold (0.86). The result is a plan file that train.py loads as a rollout copy.
+threshold (0.86). A random search and a uniform sweep run beside it, once per seed. The result is
+a plan file that train.py loads as a rollout copy.
 
-    python examples/hirelc.py --out_dir=out/hirelc --threads=1     # the search and the uniform
-        # baseline at each budget; writes out/hirelc/plan.json (the searched copy at the first
-        # budget), out/hirelc/uniform.json (the best uniform setting there) and the table
-    python examples/hirelc.py --out_dir=out/hirelc --threads=1 --write-results   # and the table
-        # into bench/RESULTS.md's hirelc block
-    python train.py configs/sharpen.py --rollout_copy=out/hirelc/plan.json --is_correction=tis --threads=1 \\
-        --out_dir=out/hirelc/rl-plan                               # RL with the searched copy
-    python -m pytest -q tests/test_hirelc.py                       # a two-block smoke search
+    python examples/hirelc.py --out_dir=out/hirelc --threads=1 --write-results  # seeds 0,1,2;
+        # out/hirelc/hirelc.md (and bench/RESULTS.md's hirelc block); plans as
+        # {plan,random,uniform}-<budget>-s<seed>.json, and plan.json etc. (first seed and budget)
+    python train.py configs/sharpen.py --rollout_copy=out/hirelc/plan.json --is_correction=tis \\
+        --threads=1 --out_dir=out/hirelc/rl-plan                   # RL with the searched copy
 
-What one search does, top to bottom:
-    1. The policy: configs/sharpen.py's warm start (warmstart.build_policy; cached under
-       out/warmstart-cache), or any config's policy (a config file as the first argument).
-    2. Sensitivity: the empirical Fisher information, the squared gradients of the trainer's
-       policy-gradient loss (group advantages, as update.py) on RL batches that the policy samples
-       and reward.score scores, summed per block and normalised to mean 1.
-    3. The cost model (`copy_seconds`): per decoded token at a batch of rollout rows, each Linear
-       takes max(bytes / bandwidth, FLOPs / FLOP rate) (a roofline with an H200's datasheet rates);
-       N:M stores n/m of the values plus ceil(log2 m) index bits each, fp8 and int8 one byte plus
-       an fp32 scale per row; only 2:4 doubles the FLOP rate (sparse tensor cores). Speed = the
-       dense bf16 copy's seconds over the copy's. The budget is a share of the dense bf16 copy's
-       seconds.
-    4. Each episode: a high-level ensemble (three bandits over how strongly the sensitivities tilt
-       the split: epsilon-greedy, UCB, softmax) votes on the split of the budget across blocks
-       (a sensitive block gets more of it); then one low-level agent per block (a softmax policy
-       over a multi-discrete action: pattern x precision, REINFORCE with a baseline) picks its
-       block's setting within the block's share, least sensitive block first; what a block leaves
-       of its share passes on to the next.
+One seed, top to bottom:
+    1. The policy: configs/sharpen.py's warm start, or a config's (a .py as the first argument).
+       The first --final_prompts prompts are held out: no search sees them (not Fisher, not the
+       proxy, no real evaluation). The seed draws --eval_prompts search prompts from the rest.
+    2. Sensitivity: the empirical Fisher, the squared gradients of the trainer's policy-gradient
+       loss (group advantages, as update.py) on RL batches of the search pool's prompts that the
+       policy samples and reward.score scores, summed per block, mean 1.
+    3. The cost model (`CostModel`; no speed is measured): per decoded token at --rows rows, each
+       Linear takes max(bytes / bandwidth, FLOPs / FLOP rate) (a roofline, an H200's datasheet
+       rates); N:M stores n/m of the values plus ceil(log2 m) index bits each, fp8 and int8 one
+       byte plus an fp32 scale per row; only 2:4 doubles the FLOP rate (sparse tensor cores).
+       Speed and budget: the dense bf16 copy's seconds over the copy's, and a share of them.
+    4. The search, each episode: a high-level ensemble (three bandits over how strongly the
+       sensitivities tilt the split: epsilon-greedy, UCB, softmax) votes on the budget's split
+       across blocks (a sensitive block gets more); one low-level agent per block (a softmax policy
+       over pattern x precision, REINFORCE with a baseline) picks its setting within its share,
+       least sensitive block first; what a block leaves passes on to the next.
     5. The setting's p5 is predicted: by the logit-MSE proxy during the cold start (the mean
-       squared logit gap to the policy on fixed policy samples, mapped to p5 by a one-parameter fit
-       p5 ~ 1 - a * sqrt(mse) through the real evaluations so far), then by a small MLP surrogate
-       (setting one-hots -> p5 per bin) refitted after every real evaluation. Reward = speed if
-       the predicted p5 meets the threshold (else 0) - penalty * max(0, threshold - predicted p5):
-       the surrogate shapes the reward.
+       squared logit gap to the policy on fixed policy samples, mapped by p5 ~ 1 - a * sqrt(mse)
+       fitted through the real evaluations so far), then by a small MLP surrogate (setting one-hots
+       -> p5 per bin) refitted after every real evaluation. Reward = speed if the predicted p5
+       meets the threshold (else 0) - penalty * max(0, threshold - predicted p5).
     6. A setting is evaluated for real (rollouts from the copy, Sparrow's per-position alpha against
        the policy's dense forward, p5 per bin) when it is predicted to meet the threshold and would
-       beat the fastest setting measured to meet it, and during the cold start every --cold_every
-       episodes (the surrogate's first data; the two anchors, all-dense bf16 and the cheapest
-       setting, come first), up to --max_real evaluations; its real p5 then replaces the
-       prediction in the reward.
-    7. After the episodes, what is left of --max_real goes to the fastest settings seen whose
-       last prediction met the threshold, fastest first (the surrogate as a screen).
-    8. The choice: the fastest setting whose real p5 met the threshold, within the budget, is
-       measured again on fresh prompts (the number reported), and so is the uniform baseline: every
-       uniform setting (one pattern and precision for all blocks) is evaluated for real, and the
-       best one within the budget is the fastest that meets the threshold (else the one with the
-       highest p5).
+       beat the fastest one measured to meet it, and every --cold_every episodes in the cold start
+       (the anchors, all-dense bf16 and the cheapest setting, first), up to --max_real (what is
+       left goes to the fastest settings seen predicted to meet it); the real p5 then counts.
+    7. The random baseline: as many real evaluations as the search made at that budget, of distinct
+       random settings within the budget (blocks in a random order, each uniform over the settings
+       that leave the rest room for their cheapest). The uniform baseline: every uniform setting
+       (one pattern and precision for all blocks), for real, once for all budgets.
+    8. The choice, the same for every method: of the settings it measured for real, the fastest
+       within the budget whose p5 met the threshold (none if none did). Each method has its own
+       cache of real evaluations (the search and the random baseline one per budget), so no method
+       reads another's. Each chosen plan is measured again on the held-out prompts.
 
-Simplifications:
+Simplifications of HiReLC (built: per-block low-level agents, a high-level ensemble voting on the
+budget's split, Fisher sensitivity, an MLP surrogate in the reward, a logit-MSE cold-start proxy):
     1. A block is a decoder layer: all its Linears share one setting. The head, the embeddings and
        the MoE router stay bf16 and dense (copies.COPY_SKIP). The high level splits the budget by
        a tilt exponent (share ~ dense seconds * sensitivity^tilt), not by free-form shares.
     2. The low-level agents are per-block softmax policies trained by REINFORCE (a contextual
-       bandit per block, one step per episode), not HiReLC's deep RL agents; the high-level agents
-       are bandits.
+       bandit per block, one step per episode), not deep RL agents; the high-level ones, bandits.
     3. HiReLC's bit widths (2 to 8) and keep ratios are replaced by the three precisions that the
        copies implement and a few N:M patterns; int8 is simulated (copies.Int8Linear).
-    4. The cost model counts weight traffic and matmul FLOPs of one decode step; the KV cache,
-       attention and per-op overheads are the same for every copy and left out. N:M other than 2:4
-       assumes a kernel that reads compressed values; 2:4 is the one with tensor-core support.
+    4. Quality is the rollout mismatch's tail (p5 alpha), not a task metric; speed is the cost
+       model's: weight traffic and matmul FLOPs of one decode step (the KV cache, attention and
+       per-op overheads are left out). N:M other than 2:4 assumes a kernel that reads compressed
+       values; 2:4 is the one with tensor-core support.
     5. Fisher uses whole-batch squared gradients (a few RL batches), the usual empirical stand-in.
-    6. One seed; the mismatch is measured on a few dozen rollouts (--eval_prompts x --eval_group),
-       bins of --bin_tokens tokens of cached length; a bin with fewer than --min_count tokens is
-       ignored.
+       A few seeds; the mismatch is measured on a few dozen rollouts, in bins of --bin_tokens
+       tokens of cached length; a bin with fewer than --min_count tokens is ignored.
 """
 
 import argparse
@@ -75,6 +71,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -95,6 +92,7 @@ from update import build_batch, group_advantages, token_logprobs  # noqa: E402
 from warmstart import build_policy  # noqa: E402
 
 PATTERNS = ("dense", "6:8", "4:8", "2:4", "1:4")
+OPTIONS = [(p, q) for p in PATTERNS for q in PRECISIONS]  # one block's settings
 VALUE_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0}
 # an H200's datasheet: HBM3e 4.8 TB/s; dense tensor-core bf16 989 TFLOP/s, fp8 and int8 1,979
 BANDWIDTH = 4.8e12
@@ -102,16 +100,9 @@ FLOP_RATE = {"bf16": 989e12, "fp8": 1979e12, "int8": 1979e12}
 TILTS = (0.0, 0.1, 0.25, 0.5, 1.0)  # the high level's arms: share ~ dense s * sensitivity^tilt
 
 
-# ------------------------------------------------------------------------------- the cost model
-
-
-def nm_of(pattern):
-    return (0, 0) if pattern == "dense" else tuple(int(x) for x in pattern.split(":"))
-
-
 def linear_seconds(out_f, in_f, pattern, precision, rows):
     """One Linear's time per decode step of `rows` tokens: max(bytes / BW, FLOPs / rate)."""
-    n, m = nm_of(pattern)
+    n, m = (0, 0) if pattern == "dense" else (int(x) for x in pattern.split(":"))
     keep, index_bits = (n / m, math.ceil(math.log2(m))) if n else (1.0, 0)
     nbytes = out_f * in_f * keep * (VALUE_BYTES[precision] + index_bits / 8)
     nbytes += 4 * out_f if precision != "bf16" else 0  # per-row scales
@@ -119,14 +110,24 @@ def linear_seconds(out_f, in_f, pattern, precision, rows):
     return max(nbytes / BANDWIDTH, flops / FLOP_RATE[precision])
 
 
-def copy_seconds(shapes, setting, rows, fixed):
-    """shapes: per block, the (out, in) of its Linears; setting: per block (pattern, precision);
-    fixed: the seconds of what stays bf16 and dense (the head)."""
-    return fixed + sum(linear_seconds(o, i, *s, rows) for blk, s in zip(shapes, setting)
-                       for o, i in blk)
+class CostModel:
+    """shapes: per block, the (out, in) of its Linears; head: the (out, in) of what stays bf16 and
+    dense. Seconds per decode step of one block's setting, and the copy's speed over dense bf16."""
 
+    def __init__(self, shapes, head, rows):
+        self.shapes, self.rows = shapes, rows
+        self.head = linear_seconds(*head, "dense", "bf16", rows)
+        self.dense_blocks = [self.block(b, "dense", "bf16") for b in range(len(shapes))]
+        self.dense = self.head + sum(self.dense_blocks)
 
-# ------------------------------------------------------------------------- the model's pieces
+    def block(self, b, pattern, precision):
+        return sum(linear_seconds(o, i, pattern, precision, self.rows) for o, i in self.shapes[b])
+
+    def speed(self, setting):
+        return self.dense / (self.head + sum(self.block(b, *s) for b, s in enumerate(setting)))
+
+    def within(self, setting, budget):
+        return 1 / self.speed(setting) <= budget * (1 + 1e-9)
 
 
 def block_shapes(model):
@@ -181,61 +182,53 @@ def fisher_sensitivity(policy, tok, prompts, problems, cfg, args, log):
     return (s / s.mean()).clamp(min=1e-6).tolist()
 
 
-# ------------------------------------------------------------------ measuring a copy for real
-
-
 class Evaluator:
-    """Builds a setting's copy and measures it: `real` (rollouts from the copy, p5 of alpha per
-    bin against the policy) and `proxy` (the logit MSE on fixed policy samples). Counts both."""
+    """Builds a setting's copy and measures it on its own prompts: `real` (rollouts from the copy,
+    p5 of alpha per bin against the policy; cached, and counted in n_real) and `proxy` (the logit
+    MSE on fixed policy samples, drawn at the first call). Each method gets its own Evaluator, so
+    its count is its own and it never reads another method's measurements."""
 
-    def __init__(self, policy, tok, prompts, cfg, args, prefixes):
+    def __init__(self, policy, tok, prompts, cfg, args, prefixes, seed, name=""):
         self.policy, self.tok, self.cfg, self.args, self.prefixes = policy, tok, cfg, args, prefixes
-        self.prompts, self.n_real, self.n_proxy, self.cache = prompts, 0, 0, {}
-        self.path = os.path.join(args.out_dir, "candidate.json")
-        eng = Engine(policy, tok, max_new_tokens=cfg.max_new_tokens, temperature=1.0,
-                     stop=[cfg.stop] if cfg.stop else [])
-        with torch.no_grad():  # the proxy's fixed sequences: the policy's own samples
-            ro = eng.generate(prompts[:args.proxy_prompts], 2, seed=args.seed + 7)
-        self.ids, self.tmask = build_batch([prompts[int(i)] for i in ro.prompt_index], ro.tokens,
-                                           ro.mask, tok.pad_token_id)
-        with torch.no_grad():
-            self.ref = policy(self.ids)[self.tmask].float()
+        self.prompts, self.seed, self.name, self.n_real, self.n_proxy = prompts, seed, name, 0, 0
+        self.cache, self.ref, self.path = {}, None, os.path.join(args.out_dir, "candidate.json")
+
+    def engine(self, model, **kw):
+        return Engine(model, self.tok, max_new_tokens=self.cfg.max_new_tokens, temperature=1.0,
+                      stop=[self.cfg.stop] if self.cfg.stop else [], **kw)
 
     def copy(self, setting):
         return make_rollout_copy(self.policy, write_plan(self.path, self.prefixes, setting))
 
     @torch.no_grad()
     def proxy(self, setting):
+        if self.ref is None:  # the proxy's fixed sequences: the policy's own samples
+            prompts = self.prompts[:self.args.proxy_prompts]
+            ro = self.engine(self.policy).generate(prompts, 2, seed=self.seed + 7)
+            self.ids, self.tmask = build_batch([prompts[int(i)] for i in ro.prompt_index],
+                                               ro.tokens, ro.mask, self.tok.pad_token_id)
+            self.ref = self.policy(self.ids)[self.tmask].float()
         self.n_proxy += 1
         got = self.copy(setting)(self.ids)[self.tmask].float()
         return (got - self.ref).pow(2).mean().item()
 
     @torch.no_grad()
-    def measure(self, copy, prompts, seed):
-        """-> {"p5_bins": [...], "p5": min over counted bins, "mean": mean alpha}."""
-        a, cfg = self.args, self.cfg
-        eng = Engine(copy, self.tok, max_new_tokens=cfg.max_new_tokens, temperature=1.0,
-                     stop=[cfg.stop] if cfg.stop else [],
-                     topk_logprobs=alpha_k(self.policy.config.vocab_size, cfg.alpha_topk))
-        ro = eng.generate(prompts, a.eval_group, seed=seed)
-        alpha = dense_alpha(self.policy, prompts, ro)
-        plen = torch.tensor([len(prompts[int(i)]) for i in ro.prompt_index])
-        st = bin_stats(alpha, ro.mask, plen, a.bin_tokens, n_bins=a.n_bins)
-        ok = st["count"] >= a.min_count
-        p5 = st["p5"].where(ok, torch.full_like(st["p5"], float("nan")))
-        overall = alpha[ro.mask].quantile(0.05).item()
-        bins = [overall if math.isnan(x) else x for x in p5.tolist()]  # an empty bin: the overall
-        return dict(p5_bins=bins, p5=min(bins), mean=alpha[ro.mask].mean().item())
-
     def real(self, setting):
-        key = tuple(setting)
+        """-> {"p5_bins": [...], "p5": min over counted bins, "mean": mean alpha}, cached."""
+        key, a, prompts = tuple(setting), self.args, self.prompts
         if key not in self.cache:
             self.n_real += 1
-            self.cache[key] = self.measure(self.copy(setting), self.prompts, self.args.seed)
+            k = alpha_k(self.policy.config.vocab_size, self.cfg.alpha_topk)
+            ro = self.engine(self.copy(setting), topk_logprobs=k).generate(prompts, a.eval_group,
+                                                                            seed=self.seed)
+            alpha = dense_alpha(self.policy, prompts, ro)
+            plen = torch.tensor([len(prompts[int(i)]) for i in ro.prompt_index])
+            st = bin_stats(alpha, ro.mask, plen, a.bin_tokens, n_bins=a.n_bins)
+            p5 = st["p5"].where(st["count"] >= a.min_count, torch.full_like(st["p5"], math.nan))
+            overall = alpha[ro.mask].quantile(0.05).item()  # an empty bin's p5: the overall
+            bins = [overall if math.isnan(x) else x for x in p5.tolist()]
+            self.cache[key] = dict(p5_bins=bins, p5=min(bins), mean=alpha[ro.mask].mean().item())
         return self.cache[key]
-
-
-# ------------------------------------------------------------- the surrogate and the agents
 
 
 class Surrogate:
@@ -275,10 +268,9 @@ class Surrogate:
 
 
 class BlockAgent:
-    """One block's low-level agent: two softmax heads (pattern, precision), a multi-discrete action,
-    trained by REINFORCE against a running baseline (advantages scaled by a running std), with
-    20% uniform exploration. Settings whose seconds exceed the block's share of the budget are
-    masked out; if none fits, the cheapest is taken."""
+    """One block's low-level agent: two softmax heads (pattern, precision), REINFORCE against a
+    running baseline (advantages scaled by a running std), 20% uniform exploration. Settings over
+    the block's share of the budget are masked out; if none fits, the cheapest is taken."""
 
     def __init__(self, lr=0.1, explore=0.2):
         self.logits = [torch.zeros(len(PATTERNS)), torch.zeros(len(PRECISIONS))]
@@ -288,7 +280,7 @@ class BlockAgent:
         """cost_of(pattern, precision) -> seconds; share: this block's seconds."""
         fits = torch.tensor([[cost_of(p, q) <= share for q in PRECISIONS] for p in PATTERNS])
         if not fits.any():
-            flat = min(((p, q) for p in PATTERNS for q in PRECISIONS), key=lambda s: cost_of(*s))
+            flat = min(OPTIONS, key=lambda s: cost_of(*s))
             self.last = (PATTERNS.index(flat[0]), PRECISIONS.index(flat[1]))
             return flat
         flat = torch.rand(1, generator=rng).item() < self.explore  # uniform over what fits
@@ -314,8 +306,7 @@ class BlockAgent:
 
 class Ensemble:
     """The high level: three bandits over the tilt arms (epsilon-greedy, UCB1, softmax); each
-    proposes an arm, the majority wins (ties: the highest mean reward). All learn from the
-    episode's reward."""
+    proposes an arm, the majority wins (ties: the highest mean reward); all learn every reward."""
 
     def __init__(self, seed):
         self.rng, k = random.Random(seed), len(TILTS)
@@ -364,31 +355,9 @@ def split_budget(total, dense, sens, tilt):
     return share
 
 
-# ---------------------------------------------------------------------------------- the search
-
-
-class CostModel:
-    """Seconds per decode step of the whole copy and of one block, at --rows rollout rows."""
-
-    def __init__(self, shapes, head, rows):
-        self.shapes, self.rows = shapes, rows
-        self.head = linear_seconds(*head, "dense", "bf16", rows)
-        self.dense_blocks = [self.block(b, "dense", "bf16") for b in range(len(shapes))]
-        self.dense = self.head + sum(self.dense_blocks)
-
-    def block(self, b, pattern, precision):
-        return sum(linear_seconds(o, i, pattern, precision, self.rows) for o, i in self.shapes[b])
-
-    def speed(self, setting):
-        return self.dense / copy_seconds(self.shapes, setting, self.rows, self.head)
-
-    def within(self, setting, budget):
-        return 1 / self.speed(setting) <= budget * (1 + 1e-9)
-
-
 def cheapest(cost):
     """The setting with the fewest seconds for every block (the far end of the search space)."""
-    return min(((p, q) for p in PATTERNS for q in PRECISIONS), key=lambda s: cost.block(0, *s))
+    return min(OPTIONS, key=lambda s: cost.block(0, *s))
 
 
 def search(ev, sens, cost, budget, args, log):
@@ -427,8 +396,7 @@ def search(ev, sens, cost, budget, args, log):
         counts[src] += src != "real"
         within = cost.within(setting, budget)
         promising = p5 >= thr and within and (best is None or speed > best[0])
-        # the surrogate's data: every --cold_every episodes in the cold start, every --real_every
-        # after it
+        # the surrogate's data: every --cold_every episodes in the cold start, then --real_every
         due = ep % (args.cold_every if len(sur.x) < args.cold_start else args.real_every) == 0
         if src != "real" and (promising or due) and counts["real"] < args.max_real:
             p5, src = real(setting)["p5"], "real"
@@ -456,95 +424,173 @@ def search(ev, sens, cost, budget, args, log):
             log(f"  screen {fmt(key)}: speed {speed:.2f}x, p5 {p5:.3f} (real)")
             if p5 >= thr:
                 best = (speed, list(key))
-    return (None if best is None else best[1]), counts
+    return choose(ev.cache, cost, budget, thr), counts
 
 
 def fmt(setting):
     return " ".join(f"{p}/{q}" for p, q in setting)
 
 
-def uniform_baseline(ev, cost, B, log):
-    """Every uniform setting, evaluated for real -> [(setting, speed, p5)]."""
-    out = []
-    for p in PATTERNS:
-        for q in PRECISIONS:
-            s = [(p, q)] * B
-            out.append((s, cost.speed(s), ev.real(s)["p5"]))
-            log(f"  uniform {p}/{q}: speed {out[-1][1]:.2f}x, p5 {out[-1][2]:.3f}")
+def choose(cache, cost, budget, thr):
+    """The choice rule every method shares: of the settings the method measured for real (its own
+    cache), the fastest within the budget whose p5 met the threshold; None if none did."""
+    ok = [list(k) for k, r in cache.items() if r["p5"] >= thr and cost.within(list(k), budget)]
+    return max(ok, key=cost.speed, default=None)
+
+
+def uniform_sweep(ev, cost, log):
+    """Every uniform setting (one pattern and precision for every block), evaluated for real."""
+    for s in ([o] * len(cost.shapes) for o in OPTIONS):
+        log(f"  uniform {fmt(s[:1])}: speed {cost.speed(s):.2f}x, p5 {ev.real(s)['p5']:.3f}")
+
+
+def random_setting(cost, budget, rng):
+    """Blocks in a random order, each uniform over its settings that leave the blocks still to come
+    room for their cheapest: a setting within the budget (if the all-cheapest one is)."""
+    B = len(cost.shapes)
+    floor = [min(cost.block(b, *o) for o in OPTIONS) for b in range(B)]
+    left, order, setting = budget * cost.dense - cost.head, rng.sample(range(B), B), [None] * B
+    for k, b in enumerate(order):
+        room = (left - sum(floor[c] for c in order[k + 1:])) * (1 + 1e-9)
+        setting[b] = rng.choice([o for o in OPTIONS if cost.block(b, *o) <= room] or
+                                [min(OPTIONS, key=lambda o: cost.block(b, *o))])
+        left -= cost.block(b, *setting[b])
+    return setting
+
+
+def random_baseline(ev, cost, budget, n, args, log):
+    """The random-search baseline: n distinct random settings within the budget, each evaluated for
+    real (ev: this method's own Evaluator) -> the shared choice rule's pick, or None."""
+    rng = random.Random(args.seed + 99)
+    tries = 100 * n + 100  # distinct settings; a tight budget may hold fewer than n
+    while len(ev.cache) < n and tries:
+        s, tries = random_setting(cost, budget, rng), tries - 1
+        if tuple(s) not in ev.cache:
+            log(f"  random {fmt(s)}: speed {cost.speed(s):.2f}x, p5 {ev.real(s)['p5']:.3f}")
+    return choose(ev.cache, cost, budget, args.threshold)
+
+
+def compare(make_ev, sens, cost, args, log):
+    """One seed. make_ev(name) -> a fresh Evaluator: one per budget for the search and the random
+    baseline, one for the uniform sweep -> {(budget, method): dict(setting, p5, evaluator, ...)}."""
+    uni, out = make_ev("uniform"), {}
+    uniform_sweep(uni, cost, log)
+    for budget in args.budgets:
+        log(f"seed {args.seed}, budget {budget} of the dense bf16 copy's seconds")
+        ev, rnd = make_ev("search"), make_ev("random")
+        best, counts = search(ev, sens, cost, budget, args, log)
+        picks = (("searched", best, ev, counts),  # random: as many real evaluations as the search
+                 ("random", random_baseline(rnd, cost, budget, ev.n_real, args, log), rnd, {}),
+                 ("best uniform", choose(uni.cache, cost, budget, args.threshold), uni, {}))
+        for name, setting, e, cnt in picks:
+            out[budget, name] = dict(setting=setting, real=e.n_real, surrogate=cnt.get(
+                "surrogate", 0), proxy=cnt.get("proxy", 0), evaluator=e,
+                p5=None if setting is None else e.cache[tuple(setting)]["p5"])
     return out
 
 
-def best_uniform(uniform, cost, budget, thr):
-    """The fastest uniform setting within the budget that meets the threshold; else, within the
-    budget, the one with the highest p5; None if no uniform setting fits the budget."""
-    fits = [u for u in uniform if cost.within(u[0], budget)]
-    ok = [u for u in fits if u[2] >= thr]
-    if ok:
-        return max(ok, key=lambda u: u[1])[0]
-    return max(fits, key=lambda u: u[2])[0] if fits else None
-
-
-# ------------------------------------------------------------------------------- the command
-
-
-def final_row(ev, cost, name, setting, counts, prompts, args):
-    """Measure `setting` again on fresh prompts (the figure reported) -> a table row."""
-    r = ev.measure(ev.copy(setting), prompts, args.seed + 1000)
-    ok = "yes" if r["p5"] >= args.threshold else "no"
-    return (f"| {name} | {fmt(setting)} | {cost.speed(setting):.2f}x | {r['p5']:.3f} | "
-            f"{r['mean']:.3f} | {ok} | {counts['real']} | {counts['surrogate']} | "
-            f"{counts['proxy']} |"), r
-
-
 def run(policy, tok, cfg, problems, prompts, args, log=print):
-    """The search at every budget and the uniform baseline -> the table's lines; the plans are
-    written to args.out_dir (plan-<budget>.json, uniform-<budget>.json; plan.json and uniform.json
-    for the first budget)."""
+    """Every method at every budget, per seed; each plan measured again on the held-out prompts (the
+    first --final_prompts; the search pool is the rest) -> the table's lines."""
     os.makedirs(args.out_dir, exist_ok=True)
     for f in os.listdir(args.out_dir):  # a plan from an earlier run must not pass for this one's
-        if f.startswith(("plan", "uniform")) and f.endswith(".json"):
+        if f.startswith(("plan", "uniform", "random")) and f.endswith(".json"):
             os.remove(os.path.join(args.out_dir, f))
-    t0 = time.time()
-    prefixes, shapes, head = block_shapes(policy)
-    cost = CostModel(shapes, head, args.rows)
-    search_p, fresh = prompts[:args.eval_prompts], prompts[args.eval_prompts:][:args.final_prompts]
-    sens = fisher_sensitivity(policy, tok, prompts, problems, cfg, args, log)
-    log(f"Fisher sensitivity per block (mean 1): {' '.join(f'{s:.2f}' for s in sens)}")
-    ev = Evaluator(policy, tok, search_p, cfg, args, prefixes)
-    uniform = uniform_baseline(ev, cost, len(shapes), log)
-    n_uniform = ev.n_real
-    lines = [f"Hardware: {hardware()}. Threshold: p5 alpha >= {args.threshold} in every bin of "
-             f"{args.bin_tokens} tokens; mismatch measured on {len(fresh)} fresh prompts x "
-             f"{args.eval_group} rollouts. Speed: the roofline cost model at {args.rows} rows "
-             f"(H200 datasheet rates), over the dense bf16 copy.", "",
-             "| budget | copy | setting per block (pattern/precision) | cost-model speed | "
-             "p5 alpha | mean alpha | meets | real evals | surrogate preds | proxy preds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    dense_row, _ = final_row(ev, cost, "dense bf16", [("dense", "bf16")] * len(shapes),
-                             dict(real=0, surrogate=0, proxy=0), fresh, args)
-    lines.append("| - " + dense_row)
-    for i, budget in enumerate(args.budgets):
-        log(f"search at budget {budget} of the dense bf16 copy's seconds")
-        best, counts = search(ev, sens, cost, budget, args, log)
-        uni = best_uniform(uniform, cost, budget, args.threshold)
-        tag = f"{budget:g}"
-        for name, setting, cnt in (("searched", best, counts),
-                                   ("best uniform", uni, dict(real=n_uniform, surrogate=0,
-                                                              proxy=0))):
-            if setting is None:
-                lines.append(f"| {tag} | {name} | none met the threshold within the budget | | | "
-                             f"| | no | {cnt['real']} | {cnt['surrogate']} | {cnt['proxy']} |")
-                continue
-            row, r = final_row(ev, cost, name, setting, cnt, fresh, args)
-            lines.append(f"| {tag} " + row)
-            stem = "plan" if name == "searched" else "uniform"
-            meta = dict(search=dict(budget=budget, speed=cost.speed(setting), p5=r["p5"],
-                                    mean_alpha=r["mean"], threshold=args.threshold, **cnt))
-            write_plan(os.path.join(args.out_dir, f"{stem}-{tag}.json"), prefixes, setting, meta)
-            if i == 0:
-                write_plan(os.path.join(args.out_dir, f"{stem}.json"), prefixes, setting, meta)
+    t0, (prefixes, shapes, head) = time.time(), block_shapes(policy)
+    cost, B = CostModel(shapes, head, args.rows), len(shapes)
+    if min(args.budgets) < 1 / cost.speed([cheapest(cost)] * B):
+        raise ValueError(f"--budgets: {min(args.budgets)} is below the cheapest copy's seconds")
+    if len(prompts) < args.final_prompts + args.eval_prompts:
+        raise ValueError(f"{len(prompts)} prompts: --final_prompts + --eval_prompts need more")
+    held, pool, seeds = prompts[:args.final_prompts], range(args.final_prompts, len(prompts)), []
+    for seed in args.seeds:
+        a = argparse.Namespace(**{**vars(args), "seed": seed})
+        search_p = [prompts[i] for i in random.Random(seed).sample(pool, args.eval_prompts)]
+        sens = fisher_sensitivity(policy, tok, [prompts[i] for i in pool],
+                                  [problems[i] for i in pool], cfg, a, log)
+        log(f"seed {seed}: Fisher sensitivity per block (mean 1): "
+            f"{' '.join(f'{s:.2f}' for s in sens)}")
+        res = {("-", "dense bf16"): dict(setting=[("dense", "bf16")] * B, p5=None, real=0,
+                                         surrogate=0, proxy=0)}
+        res.update(compare(lambda name: Evaluator(policy, tok, search_p, cfg, a, prefixes, seed,
+                                                  name), sens, cost, a, log))
+        ho = Evaluator(policy, tok, held, cfg, a, prefixes, seed + 1000, "held-out")
+        for (budget, name), r in res.items():
+            if r["setting"] is not None:
+                r["held"] = ho.real(r["setting"])
+                r["speed"] = cost.speed(r["setting"])
+                if budget != "-":
+                    write_plans(args, prefixes, budget, name, seed, r)
+        seeds.append(res)
     log(f"search done in {time.time() - t0:.0f} s")
-    return lines
+    return table(seeds, args, len(held))
+
+
+def write_plans(args, prefixes, budget, name, seed, r):
+    """{plan,random,uniform}-<budget>-s<seed>.json; {plan,random,uniform}.json: the first ones."""
+    stem = dict(searched="plan", random="random").get(name, "uniform")
+    meta = dict(search=dict(budget=budget, seed=seed, speed=r["speed"], p5_search=r["p5"],
+                            p5_heldout=r["held"]["p5"], mean_alpha_heldout=r["held"]["mean"],
+                            threshold=args.threshold, **{k: r[k] for k in COUNTS}))
+    first = seed == args.seeds[0] and budget == args.budgets[0]
+    for n in [f"{stem}-{budget:g}-s{seed}"] + [stem] * first:
+        write_plan(os.path.join(args.out_dir, n + ".json"), prefixes, r["setting"], meta)
+
+
+def mean_sd(xs, spec, unit=""):
+    m = sum(xs) / max(len(xs), 1)
+    sd = f" ± {statistics.stdev(xs):{spec}}{unit}" if len(xs) > 1 else ""
+    return f"{m:{spec}}{unit}{sd}" if xs else "-"
+
+
+def md(*rows):
+    return ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+
+
+COUNTS = ("real", "surrogate", "proxy")
+SPEED = "speed (cost model, H200 datasheet rates)"
+COLS = ("budget", "copy", "plans (seeds)", SPEED, "p5 alpha, search prompts", "p5 alpha, held-out",
+        "mean alpha, held-out", "meets on held-out (seeds)", "real evals", "surrogate preds",
+        "proxy preds")
+SEED_COLS = ("budget", "copy", "seed", "setting per block (pattern/precision)", SPEED,
+             "p5 alpha, search prompts", "p5 alpha, held-out", "real evals")
+
+
+def table(seeds, args, n_held):
+    """The summary (mean ± sd over the seeds that found a plan), then each seed's plan."""
+    lines = [f"Hardware: {hardware()}. Threshold: p5 alpha >= {args.threshold} in every bin of "
+             f"{args.bin_tokens} tokens. Seeds {','.join(map(str, args.seeds))}: mean ± sd over "
+             f"the seeds that found a plan. Prompts: {args.eval_prompts} per seed for the search, "
+             f"{n_held} held out (no method's search saw them), x {args.eval_group} rollouts. Real "
+             "evals: each method's own (one uniform sweep serves every budget). Every speed is the "
+             f"roofline cost model's at {args.rows} rows (H200 datasheet rates), over dense bf16; "
+             "none is measured.", ""] + md(
+                 COLS, ["---"] * len(COLS))
+    per = md(SEED_COLS, ["---"] * len(SEED_COLS))
+    for key in seeds[0]:
+        rs = [s[key] for s in seeds]
+        got = [r for r in rs if r["setting"] is not None]
+        tag = key[0] if key[0] == "-" else f"{key[0]:g}"
+        p5s = [r["p5"] for r in got if r["p5"] is not None]
+        lines += md([tag, key[1], f"{len(got)}/{len(rs)}",
+                     mean_sd([r["speed"] for r in got], ".2f", "x"), mean_sd(p5s, ".3f"),
+                     mean_sd([r["held"]["p5"] for r in got], ".3f"),
+                     mean_sd([r["held"]["mean"] for r in got], ".3f"),
+                     f"{sum(r['held']['p5'] >= args.threshold for r in got)}/{len(rs)}"]
+                    + [mean_sd([r[k] for r in rs], ".1f") for k in COUNTS])
+        per += md(*[[tag, key[1], seed, "none met the threshold within the budget", "", "", "",
+                     r["real"]] if r["setting"] is None else
+                    [tag, key[1], seed, fmt(r["setting"]), f"{r['speed']:.2f}x",
+                     "-" if r["p5"] is None else f"{r['p5']:.3f}", f"{r['held']['p5']:.3f}",
+                     r["real"]] for seed, r in zip(args.seeds, rs) if key[0] != "-"])
+    return lines + [""] + per
+
+
+def seed_list(s):
+    seeds = [int(x) for x in s.split(",") if x.strip()]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds {s!r}: distinct integers, comma-separated")
+    return seeds
 
 
 def parse_args(argv):
@@ -555,29 +601,24 @@ def parse_args(argv):
     p.add_argument("--threshold", type=float, default=0.86)
     p.add_argument("--episodes", type=int, default=300)
     p.add_argument("--max_real", type=int, default=16, help="real evaluations per search")
-    p.add_argument("--cold_start", type=int, default=6,
-                   help="real points before the surrogate takes over from the proxy")
-    p.add_argument("--cold_every", type=int, default=3,
-                   help="during the cold start, every this many episodes is evaluated for real")
-    p.add_argument("--real_every", type=int, default=15,
-                   help="after the cold start, every this many episodes is evaluated for real")
+    p.add_argument("--cold_start", type=int, default=6, help="real points before the surrogate")
+    p.add_argument("--cold_every", type=int, default=3, help="cold start: real every k episodes")
+    p.add_argument("--real_every", type=int, default=15, help="then: real every k episodes")
     p.add_argument("--penalty", type=float, default=10.0, help="reward per unit of p5 shortfall")
     p.add_argument("--agent_lr", type=float, default=0.1)
     p.add_argument("--rows", type=int, default=128, help="decode rows for the cost model")
-    p.add_argument("--eval_prompts", type=int, default=32)
-    p.add_argument("--eval_group", type=int, default=4)
-    p.add_argument("--final_prompts", type=int, default=64)
-    p.add_argument("--proxy_prompts", type=int, default=16)
-    p.add_argument("--bin_tokens", type=int, default=64)
-    p.add_argument("--n_bins", type=int, default=2)
-    p.add_argument("--min_count", type=int, default=100)
-    p.add_argument("--fisher_batches", type=int, default=3)
-    p.add_argument("--fisher_prompts", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    for k, v in dict(eval_prompts=32, eval_group=4, final_prompts=64, proxy_prompts=16,
+                     bin_tokens=64, n_bins=2, min_count=100, fisher_batches=3,
+                     fisher_prompts=16, threads=1).items():
+        p.add_argument(f"--{k}", type=int, default=v)
+    p.add_argument("--seeds", type=seed_list, default=[0, 1, 2],
+                   help="every method runs once per seed; the table gives mean ± sd")
     p.add_argument("--write-results", action="store_true",
                    help="rewrite bench/RESULTS.md's hirelc block")
     args, rest = p.parse_known_args(argv)
+    if min(args.budgets) <= 0 or min(args.final_prompts, args.eval_prompts, args.max_real) < 1:
+        p.error("--budgets must be positive; --final_prompts, --eval_prompts, --max_real >= 1")
+    args.seed = args.seeds[0]  # the seed in use; run() sets each in turn
     return args, rest  # the rest: a config file and --key=value overrides, as train.py takes
 
 
@@ -593,8 +634,7 @@ def main(argv):
     problems, prompts = encode_pool(tok, problems[:2000], cfg,
                                     policy.config.max_position_embeddings)
     lines = run(policy, tok, cfg, problems, prompts, args)
-    cmd = "python examples/hirelc.py " + " ".join(argv)
-    lines[0] += f" Command: `{cmd}`."
+    lines[0] += f" Command: `python examples/hirelc.py {' '.join(argv)}`."
     table = "\n".join(lines)
     print("\n" + table)
     with open(os.path.join(args.out_dir, "hirelc.md"), "w") as f:
