@@ -3,9 +3,11 @@
 A completion for a code task is untrusted: it may loop forever, fork until the machine stops, eat
 the memory, fill the disk, read our secrets, call the network, kill the trainer, or game its tests.
 `run_program` runs it in a separate, locked-down process and always comes back, with a
-`SandboxResult`; nothing the program started is still running when it returns (with root or user
-namespaces; see 4). Statuses: ok, failed, timeout, cpu_limit, memory_limit, output_limit, killed,
-error.
+`SandboxResult`; nothing the program started is still running when it returns (but with
+namespaces=False and no root; see 4). It sees almost nothing of the machine: its interpreter, the
+system's shared libraries and a private /tmp; not our files, nor the datasets' tests. Statuses: ok,
+failed, timeout, cpu_limit, memory_limit, output_limit, killed, error (which includes "this machine
+cannot build the walls": see 4).
 
 How one call runs:
 
@@ -14,7 +16,8 @@ How one call runs:
       `- launcher (sandbox_launcher.py)    root if we are root: builds the walls, supervises,
            |                               cleans up; stops when the trainer dies
            `- program (python main.py)     the model's code, then the harness, which evaluates the
-                                           calls under test; as an unprivileged uid
+                                           calls under test; as an unprivileged uid, in a new
+                                           root that holds its interpreter and little else
 
 The tests are judged here, never by the program (sandbox_harness.py): each assert is split into
 the calls to the program's code, which the program evaluates and returns as plain JSON data, and
@@ -23,7 +26,8 @@ sees an expected value and gives no verdict: tracing itself past the asserts, pr
 read from its source, or returning an object that equals everything earns nothing. "passed" means:
 the program exited 0 after returning a value for every call, and every assert holds on them.
 
-The walls, each used where the OS allows it (`SandboxResult.isolation` says which were in effect):
+The walls, each used where the OS allows it, but fsview and rofs, without which the program does not
+run (see 4); `SandboxResult.isolation` says which were in effect:
   - rlimits set in the program before exec: CPU seconds, address space (memory), size of a written
     file, open files, processes, and no core dumps;
   - its own session and process group, an empty environment (only PATH, HOME, LANG), stdin from
@@ -38,15 +42,31 @@ The walls, each used where the OS allows it (`SandboxResult.isolation` says whic
     "userns", if the kernel allows them for unprivileged users). In a new PID namespace the program
     is PID 1: when it exits or is killed, the kernel kills everything it started, and it cannot see
     our pids. The network namespace has no interfaces up, so every connection fails, even to
-    localhost. System V and POSIX IPC objects die with the IPC namespace. The mount namespace gets
-    a private size-capped tmpfs on /tmp (also bound on /dev/shm and /var/tmp), which is the
-    program's cwd and vanishes with it, and a /proc that shows only its own processes;
-  - rofs: in the mount namespace every other mount is remounted read-only (all of them, not a list
-    of folders), so no world-writable folder of the host (/run/lock...) takes a byte;
+    localhost. System V and POSIX IPC objects die with the IPC namespace. The mount namespace holds
+    the program's filesystem (fsview);
+  - fsview: the program is chrooted into a new root, a tmpfs built in its mount namespace, that
+    holds only, each at its own path:
+      - its interpreter: the executable, the standard library folder (lib-dynload and
+        site-packages inside it; site-packages is not on sys.path), libpython if shared. We ask the
+        interpreter itself, once per process (_interpreter_files); a venv or a pyenv shim resolves
+        to the real interpreter, which runs the program (with -I -S it runs the same code);
+      - the system's shared libraries and the loader's cache: /lib*, /usr/lib*, /etc/ld.so.cache;
+        the time zone: /etc/localtime, /usr/share/zoneinfo; /dev/null, zero, full, random, urandom;
+      - a private size-capped tmpfs on /tmp (also bound on /dev/shm and /var/tmp), which holds
+        main.py, is the program's cwd and HOME, and vanishes with it;
+      - /proc: one that shows only its own processes (with pidns), else an empty folder.
+    Nothing else of the host exists there: not the project's tree, not a home folder, not a
+    dataset cache (the MBPP tests in ~/.cache/huggingface), nor the rest of /etc, /usr/bin, a shell
+    (subprocess can start only the interpreter itself). A folder that holds the interpreter, e.g.
+    /root for a pyenv install, shows only the interpreter's files;
+  - rofs: every mount in that root is read-only, but the private /tmp (and /proc), so nothing of
+    the host takes a byte;
   - seccomp (x86_64, aarch64; with or without namespaces): the program may not create namespaces
-    (unshare, setns, clone with CLONE_NEW*, clone3), mount anything, or call memfd_create, shmget,
-    msgget, mq_open, bpf, io_uring_setup, userfaultfd, perf_event_open. A user namespace could
-    mount a tmpfs outside disk_mb; memfd and IPC memory is not counted by RLIMIT_AS;
+    (unshare, setns, clone with CLONE_NEW*, clone3), mount anything, chroot, or call memfd_create,
+    shmget, msgget, mq_open, bpf, io_uring_setup, userfaultfd, perf_event_open. A user namespace
+    could mount a tmpfs outside disk_mb; memfd and IPC memory is not counted by RLIMIT_AS. With
+    no capability left (a sandbox uid, or a uid other than 0 in the user namespace), chroot is
+    refused anyway: the program cannot leave its root;
   - a killed trainer (kill -9 included): the kernel sends the launcher SIGTERM (parent-death
     signal), which stops the program and sweeps its uid; the program itself dies with the launcher.
     Work folders are named after their owner process, and each call removes those of dead owners.
@@ -64,16 +84,24 @@ Simplifications and limits (read before trusting a reward):
   3. Memory is capped per process (RLIMIT_AS), not per sandbox: with nproc processes the total can
      reach nproc * mem_mb, plus disk_mb of tmpfs and kernel buffers (pipes, sockets; nofile bounds
      them). cgroups would give one cap; they are not used.
-  4. Without root and without user namespaces only rlimits, seccomp, the process group and the wall
-     clock remain: the program could then signal our process, escape the kill with setsid(), read
-     the network, and RLIMIT_NPROC is not set (it would count all of our user's processes).
-  5. Without the mount namespace the program can still write to world-writable folders such as
-     /tmp (capped per file by fsize_mb; what it writes stays) and can see other processes in /proc.
+  4. The filesystem view needs a mount namespace: root, or user namespaces for unprivileged users.
+     Where there is none, or any step of building the view fails, the program does not run: the
+     call returns status "error" ("sandbox error: ... refusing ..."), reward 0. The other
+     namespaces are used where the kernel gives them (isolation says which). namespaces=False runs
+     the program without any namespace, hence without the view (for tests and debugging, not for
+     rewards): it then reads every file its uid may read (the project, world-readable caches),
+     writes to world-writable folders such as /tmp (capped per file by fsize_mb; what it writes
+     stays) and sees other processes in /proc. Without root as well, only rlimits, seccomp, the
+     process group and the wall clock remain: the program could then signal our process, escape
+     the kill with setsid(), read the network, and RLIMIT_NPROC is not set.
+  5. Inside the view the program still reads what is bound there, all of it public: the system's
+     libraries and the interpreter's site-packages (not on sys.path, but a program may add them).
   6. Output is cut at max_output bytes per stream; a program over the cap is stopped
      ("output_limit"). Python runs with -I -S: the standard library only, no site-packages, no
      `exit()` builtin (use `sys.exit`).
-  7. When our interpreter is not readable by the sandbox uid (e.g. it lives in root's home), the
-     sandbox uses the first `python3` on the standard PATH that it can run (`python=` chooses).
+  7. When our interpreter is not readable by the sandbox uid on the host (e.g. it lives in root's
+     home), the sandbox uses the first `python3` on the standard PATH that it can run (`python=`
+     chooses). Its real path is the one that runs (see fsview).
   8. Each call starts two interpreters: about 0.1-0.2 s of overhead. Tests whose expected values
      need their own setup code (`assert f(x) == EXPECTED`) take a second run, without the program.
      Run calls in threads for throughput; each concurrent call holds its own sandbox uid
@@ -164,7 +192,8 @@ def run_program(code: str, tests: str = "", *, timeout_s: float = 5.0, cpu_s: fl
     timeout_s: wall clock; cpu_s: CPU seconds per process; mem_mb: address space per process;
     fsize_mb: largest file it may write; disk_mb: size of its tmpfs /tmp (mount namespace only);
     nproc: processes and threads; nofile: open files; max_output: bytes kept per stream;
-    namespaces=False skips the Linux namespaces (uid, rlimits and seccomp still apply).
+    namespaces=False skips the Linux namespaces and with them the filesystem view (uid, rlimits
+    and seccomp still apply): for tests and debugging, never for rewards (docstring, 4).
     """
     limits = dict(timeout_s=timeout_s, cpu_s=cpu_s, mem_mb=mem_mb, fsize_mb=fsize_mb,
                   disk_mb=disk_mb, nproc=nproc, nofile=nofile, max_output=max_output)
@@ -230,6 +259,11 @@ def _run_steps(code: str, steps: list, opts: dict) -> tuple:
                 os.chown(workdir, uid, uid)  # the program writes here when there is no tmpfs
             cfg = dict(opts, workdir=workdir, uid=uid, parent=os.getpid(),
                        python=opts["python"] or _sandbox_python(uid))
+            if cfg["namespaces"]:  # the new root holds the interpreter's files, at their paths
+                try:
+                    cfg["python"], cfg["expose"] = _interpreter_files(cfg["python"])
+                except RuntimeError as e:
+                    return _refusal(str(e)), None
             raw = _launch(cfg, int(opts["max_output"]))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -318,6 +352,37 @@ def _sandbox_python(uid: Optional[int]) -> str:
             raise RuntimeError(f"sandbox: no Python interpreter that uid {uid} can run; tried "
                                f"{candidates}; pass python=... (a world-readable install)")
     return _python_for_uid
+
+
+_INTERPRETER_QUERY = """
+import json, os, sys, sysconfig
+files = {os.path.realpath(sys.executable), sysconfig.get_path("stdlib"),
+         sysconfig.get_path("platstdlib")}
+if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+    files.add(os.path.join(sysconfig.get_config_var("LIBDIR") or "/",
+                           sysconfig.get_config_var("INSTSONAME") or ""))
+files = sorted(f for f in files if f and os.path.exists(f))
+print(json.dumps([os.path.realpath(sys.executable), files]))
+"""
+_files_of: dict = {}
+
+
+def _interpreter_files(python: str) -> tuple:
+    """(the interpreter's real path, the files it needs to start: itself, its standard library,
+    its libpython if shared), asked once of the interpreter itself. A venv or a wrapper (a pyenv
+    shim) resolves to the real interpreter: with -I -S it runs the same programs. Bound read-only
+    into the program's new root by the launcher; site-packages come along (inside the standard
+    library folder) but are not on sys.path."""
+    if python not in _files_of:
+        try:
+            out = subprocess.run([python, "-I", "-S", "-c", _INTERPRETER_QUERY], cwd="/",
+                                 env={"PATH": SAFE_PATH}, stdin=subprocess.DEVNULL,
+                                 capture_output=True, timeout=30, check=True).stdout
+            exe, files = json.loads(out)
+        except (OSError, subprocess.SubprocessError, ValueError) as e:
+            raise RuntimeError(f"cannot ask the interpreter {python} for its files: {e}") from None
+        _files_of[python] = (exe, files)
+    return _files_of[python]
 
 
 def _launch(cfg: dict, max_output: int) -> dict:

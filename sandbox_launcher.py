@@ -1,10 +1,12 @@
 """The launcher of one sandboxed call: `python -I -S sandbox_launcher.py CFG`, run by sandbox.py.
 
 A fresh single-threaded process (doing this in a preexec_fn of the trainer would be unsafe: it may
-have threads), root when the trainer is root. It builds the walls (namespaces, read-only mounts and
-a private /tmp, rlimits, seccomp, the sandbox uid), forks the program, supervises it up to the
-timeout, kills what is left and writes one JSON report to the status fd. sandbox.py's docstring is
-the manual. It imports only the standard library: with -I the script's folder is not on sys.path.
+have threads), root when the trainer is root. It builds the walls (namespaces, a new root that
+holds only the interpreter and a private /tmp, rlimits, seccomp, the sandbox uid), forks the
+program, which chroots into that root, supervises it up to the timeout, kills what is left and
+writes one JSON report to the status fd. When the filesystem view the call asked for cannot be
+built, the program does not run: the report carries the error. sandbox.py's docstring is the
+manual. It imports only the standard library: with -I the script's folder is not on sys.path.
 """
 from __future__ import annotations
 
@@ -73,39 +75,91 @@ def _enter_namespaces(libc, cfg: dict) -> list:
     return layers + ["userns"] + [name for name, _ in kinds]
 
 
-def _private_tmp(libc, cfg: dict) -> tuple:
-    """In our new mount namespace: every mount read-only, then a size-capped tmpfs on /tmp (and
-    /dev/shm, /var/tmp) holding main.py. Returns ("/tmp", whether every mount took read-only).
+# What the program sees of the host besides its interpreter (sandbox.py adds the interpreter's own
+# files in cfg["expose"]): the shared libraries and the loader's cache, the time zone, and a few
+# device files. Each is bound read-only at its own path; a missing one (or a dangling link) is
+# skipped, and a folder that is a link (/lib -> usr/lib on merged-/usr systems) is copied as the
+# same link, what it points to being bound in its own right.
+SYSTEM_PATHS = ("/lib", "/lib32", "/lib64", "/libx32", "/usr/lib", "/usr/lib32", "/usr/lib64",
+                "/etc/ld.so.cache", "/etc/localtime", "/usr/share/zoneinfo", "/dev/null",
+                "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+WRITABLE = ("/tmp", "/dev/shm", "/var/tmp")  # one private tmpfs, bound on all three
 
-    Trap: mounts must first be made private, or the tmpfs would propagate back to the host's /tmp.
+
+def _new_root(libc, cfg: dict) -> str:
+    """In our new mount namespace: the program's whole filesystem, built in a tmpfs mounted on the
+    work folder, which _exec_program chroots into. Returns that folder.
+
+    Read-only: the interpreter (cfg["expose"]) and SYSTEM_PATHS, bound at their own paths. Private:
+    a size-capped tmpfs on /tmp (also bound on /dev/shm and /var/tmp) holding main.py, the
+    program's cwd. Empty: /proc, until the program mounts its own. Nothing else of the host exists
+    there: not the project, not a home folder, not a dataset cache. Raises OSError if any step
+    fails, so that the program never runs with less (main() then refuses the call).
+
+    Trap: mounts must first be made private, or ours would propagate back to the host.
     This runs only after unshare(CLONE_NEWNS) succeeded.
     """
     with open(os.path.join(cfg["workdir"], "main.py"), "rb") as f:
-        source = f.read()  # read before the tmpfs hides the host's /tmp
+        source = f.read()  # read before the new root hides the work folder
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-    read_only = _read_only_everywhere(libc)
+    root = cfg["workdir"]
+    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=755")
+    bound: list = []
+    for path in sorted(set(SYSTEM_PATHS) | set(cfg.get("expose") or [cfg["python"]])):
+        if os.path.exists(path) and not any(_inside(path, b) for b in bound):
+            _expose(libc, root, path)
+            bound.append(path)
+    tmp = root + "/tmp"
+    _make_dirs(root, "/tmp")
     opts = f"size={int(cfg['disk_mb'])}m,nr_inodes=4096,mode=700"
     if cfg["uid"] is not None:
         opts += f",uid={cfg['uid']},gid={cfg['uid']}"
-    _mount(libc, "tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
-    for other in ("/dev/shm", "/var/tmp"):
-        if os.path.isdir(other):
-            try:
-                _mount(libc, "/tmp", other, None, MS_BIND)
-            except OSError:
-                pass  # still capped per file by RLIMIT_FSIZE
-    path = "/tmp/main.py"
-    with open(path, "wb") as f:
+    _mount(libc, "tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    for other in WRITABLE[1:]:
+        _make_dirs(root, other)
+        _mount(libc, tmp, root + other, None, MS_BIND)
+    _make_dirs(root, "/proc")
+    with open(tmp + "/main.py", "wb") as f:
         f.write(source)
     if cfg["uid"] is not None:
-        os.chown(path, cfg["uid"], cfg["uid"])
-    return "/tmp", read_only
+        os.chown(tmp + "/main.py", cfg["uid"], cfg["uid"])
+    _read_only_below(libc, root, skip={root + w for w in WRITABLE})
+    return root
 
 
-def _read_only_everywhere(libc) -> bool:
-    """Remount every mount we see read-only, so that no folder outside the private /tmp takes
-    writes: not /run/lock, nor any world-writable folder this machine happens to have. These are
-    bind remounts in our namespace: the host's mounts keep their flags. Returns True if all did.
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _make_dirs(root: str, path: str) -> None:
+    """mkdir -p `path` under `root`, each new folder 0755 whatever our umask."""
+    at = root
+    for part in path.strip("/").split("/"):
+        at = os.path.join(at, part)
+        if not os.path.lexists(at):
+            os.mkdir(at)
+            os.chmod(at, 0o755)
+
+
+def _expose(libc, root: str, path: str) -> None:
+    """Bind host `path` (a folder, with what is mounted below it, or a file) at the same path under
+    `root`; a folder that is a link becomes the same link. Made read-only by _read_only_below."""
+    target = root + path
+    _make_dirs(root, os.path.dirname(path))
+    if os.path.islink(path) and os.path.isdir(path):
+        os.symlink(os.readlink(path), target)
+        return
+    if os.path.isdir(path):
+        _make_dirs(root, path)
+    else:
+        with open(target, "wb"):
+            pass  # the mount point of a file is a file
+    _mount(libc, path, target, None, MS_BIND | MS_REC)
+
+
+def _read_only_below(libc, root: str, skip: set) -> None:
+    """Remount read-only every mount at or below `root` but those in `skip`. These are bind
+    remounts in our namespace: the host's mounts keep their flags. Raises OSError if one fails.
 
     Trap: in a user namespace the host's nosuid, nodev, noexec and atime flags are locked, and a
     remount that would drop one is refused; so each remount repeats them.
@@ -114,20 +168,14 @@ def _read_only_everywhere(libc) -> bool:
         points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
                   for line in f]
     locked = os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME
-    done = True
     for point in points:
-        try:
+        if _inside(point, root) and point not in skip:
             flags = os.statvfs(point).f_flag
             keep = (flags & locked) | (MS_RELATIME if flags & os.ST_RELATIME else 0)
             _mount(libc, None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
-        except FileNotFoundError:
-            pass  # its mount point is gone (deleted): nothing can reach it through a path
-        except OSError:
-            done = False
-    return done
 
 
-# seccomp: the system calls the program may not make (EPERM). Namespaces and mounts (a user
+# seccomp: the system calls the program may not make (EPERM). Namespaces, mounts and chroot (a user
 # namespace can mount a tmpfs that no cap covers), memfd and System V / POSIX IPC (memory that
 # RLIMIT_AS does not count; SysV segments even outlive the process), and kernel interfaces a
 # program has no use for. Numbers for x86_64 and aarch64.
@@ -135,9 +183,10 @@ _SECCOMP_DENY = {
     "unshare": (272, 97), "setns": (308, 268), "mount": (165, 40), "umount2": (166, 39),
     "pivot_root": (155, 41), "open_tree": (428, 428), "move_mount": (429, 429),
     "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
-    "mount_setattr": (442, 442), "memfd_create": (319, 279), "memfd_secret": (447, 447),
-    "shmget": (29, 194), "msgget": (68, 186), "mq_open": (240, 180), "bpf": (321, 280),
-    "io_uring_setup": (425, 425), "userfaultfd": (323, 282), "perf_event_open": (298, 241)}
+    "mount_setattr": (442, 442), "chroot": (161, 51), "memfd_create": (319, 279),
+    "memfd_secret": (447, 447), "shmget": (29, 194), "msgget": (68, 186), "mq_open": (240, 180),
+    "bpf": (321, 280), "io_uring_setup": (425, 425), "userfaultfd": (323, 282),
+    "perf_event_open": (298, 241)}
 _SECCOMP_CLONE, _SECCOMP_CLONE3 = (56, 220), (435, 435)
 _AUDIT_ARCH = {"x86_64": (0, 0xC000003E), "aarch64": (1, 0xC00000B7)}  # column, AUDIT_ARCH_*
 
@@ -200,13 +249,21 @@ def _set_limits(cfg: dict, layers: list) -> None:
         resource.setrlimit(which, (soft, hard))
 
 
-def _exec_program(libc, cfg: dict, layers: list, workdir: str, errpipe: int) -> None:
-    """In the forked child: last walls, drop root, exec the program. Never returns."""
-    if "pidns" in layers and "mntns" in layers:
-        try:  # a /proc that shows only the sandbox's own processes
-            _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        except OSError:
-            pass
+def _exec_program(libc, cfg: dict, layers: list, root: Optional[str], errpipe: int) -> None:
+    """In the forked child: last walls, drop root, exec the program. Never returns.
+
+    With a new root (_new_root) the program is chrooted into it, its cwd the private /tmp; else its
+    cwd is the work folder. The chroot cannot be undone: the program has no capabilities left and
+    seccomp refuses chroot, mount and pivot_root.
+    """
+    if root is not None:
+        if "pidns" in layers:
+            try:  # a /proc that shows only the sandbox's own processes; else /proc stays empty
+                _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            except OSError:
+                pass
+        os.chroot(root)
+    workdir = "/tmp" if root is not None else cfg["workdir"]
     os.chdir(workdir)
     _set_limits(cfg, layers)  # before setuid: an unprivileged process cannot raise hard limits
     if "uid" in layers:
@@ -263,7 +320,7 @@ def _sweep(uid: int) -> None:
         time.sleep(0.002)
 
 
-def _supervise(libc, cfg: dict, layers: list, workdir: str, stop: list) -> dict:
+def _supervise(libc, cfg: dict, layers: list, root: Optional[str], stop: list) -> dict:
     """Fork the program, wait for it up to timeout_s (or a stop request), kill it, reap it."""
     err_r, err_w = os.pipe()  # close-on-exec: EOF at a successful exec, else the error text
     t0 = time.monotonic()
@@ -271,7 +328,7 @@ def _supervise(libc, cfg: dict, layers: list, workdir: str, stop: list) -> dict:
     if pid == 0:
         try:
             os.close(err_r)
-            _exec_program(libc, cfg, layers, workdir, err_w)
+            _exec_program(libc, cfg, layers, root, err_w)
         except BaseException as e:
             os.write(err_w, f"{type(e).__name__}: {e}".encode()[:4000])
         os._exit(127)
@@ -324,19 +381,20 @@ def main(cfg: dict) -> None:
         if os.getppid() != cfg["parent"]:
             stop[0] = True
         layers = _enter_namespaces(libc, cfg)
-        workdir = cfg["workdir"]
-        if "mntns" in layers:
-            try:
-                workdir, read_only = _private_tmp(libc, cfg)
-                layers += ["rofs"] if read_only else []
-            except OSError:
-                layers.remove("mntns")
+        root = None
+        if cfg["namespaces"]:  # the filesystem view, or no run at all
+            if "mntns" not in layers:
+                raise OSError("no mount namespace here (needs root or user namespaces), so no "
+                              "filesystem view: refusing to run the program (namespaces=False "
+                              "runs it without one)")
+            root = _new_root(libc, cfg)
+            layers += ["fsview", "rofs"]
         layers += ["seccomp"] if _seccomp_available(libc) else []
         report["layers"] = layers
         sweep = "uid" in layers and "pidns" not in layers  # a PID namespace needs no sweep
         if sweep:
             _sweep(cfg["uid"])  # leftovers of a caller that crashed while holding this uid
-        report.update(_supervise(libc, cfg, layers, workdir, stop))
+        report.update(_supervise(libc, cfg, layers, root, stop))
         if sweep:
             _sweep(cfg["uid"])
     except BaseException as e:

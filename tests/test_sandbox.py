@@ -1,6 +1,7 @@
 """Adversarial programs against the code sandbox: each must end with reward 0, this process alive,
 and nothing leaked or still running. Short limits everywhere, so the file runs in seconds."""
 import glob
+import json
 import os
 import secrets
 import shutil
@@ -270,6 +271,73 @@ def test_cannot_signal_the_parent(walls):
         signal.signal(signal.SIGUSR1, old)
     assert not r.passed and hits == [], r
     assert "ProcessLookupError" in r.stderr or "PermissionError" in r.stderr
+
+
+# --- the filesystem view: the program sees its interpreter, not our files -----------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEEK = ADD + ("def peek(path):\n"
+              "    try:\n"
+              "        with open(path, 'rb') as f:\n"
+              "            return f.read(64)\n"
+              "    except OSError as e:\n"
+              "        return repr(e)\n")
+
+
+@pytest.fixture
+def fake_dataset_cache():
+    """An MBPP file where the datasets library caches it, under a fake HF_HOME that anyone may read,
+    outside the folders the sandbox replaces with its own (/tmp...): in the git-ignored out/."""
+    try:
+        os.makedirs(os.path.join(ROOT, "out"), exist_ok=True)
+        home = tempfile.mkdtemp(prefix="test-hf-home-", dir=os.path.join(ROOT, "out"))
+    except OSError as e:
+        pytest.skip(f"no folder for a fake dataset cache: {e}")
+    path = os.path.join(home, "datasets", "google-research-datasets___mbpp", "full", "0.0.0",
+                        secrets.token_hex(8), "mbpp-test.arrow")
+    try:
+        os.makedirs(os.path.dirname(path))
+        with open(path, "w") as f:
+            f.write("assert add(1, 2) == 3  # the tests a program is judged by\n")
+        for folder, _, _ in os.walk(home):
+            os.chmod(folder, 0o755)
+        os.chmod(path, 0o644)
+        yield path
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.parametrize("which", ["project", "dataset"])
+def test_files_outside_the_view_cannot_be_read(fake_dataset_cache, which):
+    path = os.path.join(ROOT, "README.md") if which == "project" else fake_dataset_cache
+    with open(path, "rb") as f:
+        tests = ADD_TESTS + [f"assert peek({path!r}) == {f.read(64)!r}"]
+    if not run_tests(PEEK, tests, namespaces=False, **FAST).passed:  # the same program, no view
+        pytest.skip(f"the sandbox cannot read {path} here even without its filesystem view")
+    r = run_tests(PEEK, tests, **FAST)
+    assert not r.passed and "fsview" in r.isolation and "FileNotFoundError" in r.stderr, r
+    assert run_tests(PEEK, ADD_TESTS, **FAST).passed  # a correct program still earns its reward
+
+
+def test_no_filesystem_view_means_no_run(tmp_path):
+    """Where no mount namespace can be had, the launcher refuses instead of running the program
+    with the whole filesystem in sight."""
+    ran = tmp_path / "ran"
+    (tmp_path / "main.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+    status_r, status_w = os.pipe()
+    cfg = dict(workdir=str(tmp_path), uid=None, namespaces=True, parent=os.getpid(),
+               python=sys.executable, status_fd=status_w, timeout_s=2, cpu_s=1, mem_mb=512,
+               fsize_mb=16, disk_mb=64, nproc=32, nofile=64)
+    script = ("import json, sys, sandbox_launcher as L\n"
+              "L._enter_namespaces = lambda libc, cfg: []  # as on a kernel without namespaces\n"
+              "L.main(json.loads(sys.argv[1]))\n")
+    subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], cwd=ROOT, timeout=30,
+                   pass_fds=(status_w,))
+    os.close(status_w)
+    with os.fdopen(status_r, "rb") as f:
+        report = json.loads(f.read())
+    assert report["how"] == "setup_error" and "refusing" in report["error"], report
+    assert not ran.exists()
 
 
 # --- helpers -------------------------------------------------------------------------------------
