@@ -3,6 +3,12 @@ checkpoint.py: atomic save and exact resume.
 
     python train.py --save_every=20  # out_dir/ckpt, rewritten every 20 steps and at the end
     python train.py --resume=true    # continue from out_dir/ckpt: the same next loss as unbroken
+    python train.py --overwrite=true # replace the run in out_dir (without it, the run is refused)
+
+The run's folder (claim_out_dir, before any work): a run refuses an out_dir that holds a run (a
+checkpoint or metrics.jsonl) unless resume=true continues it or overwrite=true replaces it, and
+resume=true refuses one without a checkpoint. Ctrl-C prints resume_note: the step the run was at,
+the last checkpoint and its step, and the command that resumes.
 
 A checkpoint is a Hugging Face folder (config.json, model.safetensors, the tokenizer), so
 transformers and other engines load the trained model as it is, plus trainer_state.pt: the step, the
@@ -27,8 +33,11 @@ Simplifications:
 """
 
 import dataclasses
+import json
 import os
+import shlex
 import shutil
+import sys
 
 import torch
 from safetensors.torch import load_file
@@ -77,13 +86,20 @@ def save_checkpoint(cfg, model, tok, opt, sampler, step, history, extra, base=No
     save_atomic(os.path.join(cfg.out_dir, "ckpt"), write)
 
 
+def find_checkpoint(out_dir):
+    """The folder of out_dir's complete checkpoint: ckpt, or the ckpt.old that a kill between
+    save_atomic's two renames leaves; None if there is none."""
+    for path in (os.path.join(out_dir, "ckpt"), os.path.join(out_dir, "ckpt.old")):
+        if os.path.exists(os.path.join(path, "trainer_state.pt")):
+            return path
+    return None
+
+
 def load_checkpoint(cfg, model, opt, sampler, dev, extra):
     """Restore what save_checkpoint wrote (into `extra`'s objects too, where both sides have them).
     Returns (the step to continue from, the history)."""
-    for path in (os.path.join(cfg.out_dir, "ckpt"), os.path.join(cfg.out_dir, "ckpt.old")):
-        if os.path.exists(os.path.join(path, "trainer_state.pt")):
-            break
-    else:
+    path = find_checkpoint(cfg.out_dir)
+    if path is None:
         raise FileNotFoundError(f"resume=True but there is no checkpoint in {cfg.out_dir}/ckpt")
     if cfg.lora_r:
         # model.safetensors holds the merged weights (for other engines); resume from the adapter
@@ -101,3 +117,74 @@ def load_checkpoint(cfg, model, opt, sampler, dev, extra):
             obj.load_state_dict(state[k])
     torch.set_rng_state(state["torch_rng"].cpu())
     return state["step"], state["history"]
+
+
+# ----------------------------------------------------------------------------- the run's folder
+
+RUN_FILES = ("ckpt", "ckpt.old", "metrics.jsonl")  # what says that a folder holds a run
+REPLACED = RUN_FILES + ("ckpt.tmp", "run.png")  # what overwrite=true removes
+
+
+def claim_out_dir(cfg, rank=0, log=print):
+    """Before any work: out_dir is this run's. resume=true needs a checkpoint there; otherwise a
+    folder that holds a run (a checkpoint or metrics.jsonl) is refused, unless overwrite=true,
+    which removes that run's checkpoint, metrics.jsonl and run.png (rank 0). Then rank 0 writes
+    the config to out_dir/config.json."""
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("config keys 'resume' and 'overwrite': choose one (resume continues the "
+                         "run in out_dir, overwrite replaces it)")
+    if cfg.resume and find_checkpoint(cfg.out_dir) is None:
+        what = ("does not exist" if not os.path.isdir(cfg.out_dir) else
+                "holds no checkpoint (ckpt/trainer_state.pt)")
+        raise FileNotFoundError(f"resume=true, but out_dir {cfg.out_dir} {what}: give the "
+                                f"--out_dir= of the run to continue, or leave out --resume=true")
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
+    if held and not cfg.resume and not cfg.overwrite:
+        raise FileExistsError(
+            f"out_dir {cfg.out_dir} already holds a run ({', '.join(held)}): --resume=true "
+            f"continues it, --overwrite=true replaces it, or give this run its own folder with "
+            f"--out_dir=<folder>")
+    if held and cfg.overwrite and rank == 0:
+        log(f"overwrite=true: removing the run in {cfg.out_dir} ({', '.join(held)})")
+        for name in REPLACED:
+            f = os.path.join(cfg.out_dir, name)
+            if os.path.isdir(f):
+                shutil.rmtree(f)
+            elif os.path.exists(f):
+                os.remove(f)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    if rank == 0:
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+
+
+def saved_step(out_dir):
+    """(the checkpoint's folder, the step a resume continues from), or (None, None). Reads the
+    step alone: the tensors are mapped, not loaded."""
+    path = find_checkpoint(out_dir)
+    if path is None:
+        return None, None
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", mmap=True,
+                       weights_only=False)
+    return path, state["step"]
+
+
+def resume_note(cfg, step, argv, end):
+    """What Ctrl-C prints: the step the run was at (None: before its first, while it was built),
+    the last checkpoint and its step, and the command that continues the run (or, with no
+    checkpoint yet, starts it again). `end`: the index of the run's last step."""
+    path, saved = saved_step(cfg.out_dir)
+    where = (f"at step {step} (of 0-{end})" if step is not None else
+             "before the first RL step (while the run was built: warm start, calibration or the "
+             "start's evaluation)")
+    started = any(os.path.exists(os.path.join(cfg.out_dir, f)) for f in RUN_FILES)
+    flag = ["--resume=true"] if path else ["--overwrite=true"] if started else []
+    args = [a for a in argv if not a.startswith(("--resume=", "--overwrite="))] + flag
+    script = sys.argv[0] if os.path.basename(sys.argv[0]) == "train.py" else "train.py"
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    run = f"torchrun --nproc_per_node={world}" if world > 1 else "python"
+    command = " ".join([run, shlex.quote(script)] + [shlex.quote(a) for a in args])
+    last = (f"the last checkpoint, {path}, was saved after step {saved - 1}: a resume continues "
+            f"from step {saved}" if path else
+            f"no checkpoint was saved yet (one every save_every={cfg.save_every} steps)")
+    return f"{where}; {last}.\n{'resume' if path else 'start again'} with: {command}"

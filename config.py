@@ -3,12 +3,15 @@ config.py: every setting of a run, in one place.
 
     python train.py                                  # configs/tiny.py, the embedded default
     python train.py configs/gsm8k_qwen3.py --lr=2e-6 # a config file, then command-line overrides
+    python train.py configs/lagged.py --help         # every key by stage: its value, what it does
 
 `Config` holds every key with its default (defaults for a real model on one GPU). A config file is
 Python: a short list of commented assignments of Config's fields; `configs/tiny.py` applies whenever
 no config file is given. Command-line overrides are --key=value, parsed as Python literals. Unknown
 keys (with a suggestion) and wrong types are errors that name the key. train.py writes the config a
-run used to out_dir/config.json.
+run used to out_dir/config.json. `cli` runs an entry point: a user's error is one line (exit code
+2), Ctrl-C one note (exit code 130), and --help the entry point's text (train.py: report.help_text,
+which reads each key's description from its comments in Config).
 """
 
 import ast
@@ -33,6 +36,9 @@ class Config:
     # none | bfloat16: compute dtype of rollouts and training forwards on CUDA
     autocast: str = "none"
     resume: bool = False  # continue from out_dir/ckpt
+    # replace the run already in out_dir (its checkpoint, metrics.jsonl and run.png); without it
+    # (or resume), a run refuses a folder that holds one
+    overwrite: bool = False
     threads: int = 0  # torch CPU threads; 0 = torch's default
     # model: a hub name or a local HF folder; empty = the tiny model below, warm-started by SFT
     model: str = ""
@@ -190,10 +196,10 @@ class Config:
     adv_norm: str = "std"
     # stop the run after this many optimizer steps in a row skipped for NaN/inf
     max_skipped: int = 3
-    # > 0: train a LoRA adapter of this rank on every linear layer instead of all weights
     # "N:M" (e.g. "2:4"): the policy is pruned N:M at the start (magnitude) and trains under that
     # fixed mask: only the active weights change, and a delta sync ships only what changed
     nm: str = ""
+    # > 0: train a LoRA adapter of this rank on every linear layer instead of all weights
     lora_r: int = 0
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
@@ -533,12 +539,27 @@ def check_processes(cfg):
                          "resume, lora_r or kv_controller yet")
 
 
-def cli(main, argv):
+def last_step(cfg):
+    """The index of the run's last step: `steps` ends the schedule, `stop_at` may come first."""
+    return min(cfg.steps, cfg.stop_at or cfg.steps) - 1
+
+
+def cli(main, argv, helper=None):
     """Run an entry point's main(argv): the errors a user can fix (a config key, a data file, a run
-    that diverged) print as one line, with exit code 2, instead of a traceback."""
+    that diverged, an out_dir that holds a run) print as one line, with exit code 2, instead of a
+    traceback; Ctrl-C prints what main attached to it (train.py: the step, the last checkpoint,
+    the command that resumes), with exit code 130. With `helper` (argv without the flag -> a text),
+    --help or -h prints its text and exits 0."""
     try:
+        if helper is not None and ("--help" in argv or "-h" in argv):
+            print(helper([a for a in argv if a not in ("--help", "-h")]))
+            return 0
         main(argv)
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        print(f"\ninterrupted{': ' if e.args else ''}{' '.join(map(str, e.args))}",
+              file=sys.stderr)
+        return 130
     return 0

@@ -2,7 +2,10 @@
 report.py: what a person reads of a run. The step's log lines, the summary table at the end,
 out_dir/run.png, the hardware line every measured figure names, and the experiment tracker
 (`tracker` in config.py) that gets the same figures. train.py calls these; every figure they show is
-also in out_dir/metrics.jsonl.
+also in out_dir/metrics.jsonl. Besides: `python train.py --help` (help_text: every key by stage),
+and the notes a run logs at its start for the keys it sets that do nothing in it (idle_keys:
+`--stop_at=80` with steps=80, an overlong_buffer with overlong_penalty 0, ...; kv_reads_all: a
+sparse kv_budget that drops no page at any length the run reaches).
 
 The step lines, one stage after another (the README explains each label):
     step   12  kept 14/16 in 2 tries | rollout 0.65s len 34 kv 1.00 | reward 0.858 verify 0.00
@@ -13,6 +16,7 @@ The step lines, one stage after another (the README explains each label):
 Simplifications:
     1. Every line stays within 100 columns; a figure a run does not have is left out, not zeroed.
     2. The plot is reward per step and greedy held-out accuracy at each evaluation, nothing more.
+       A figure that has no value (an empty bin's NaN) shows as "-".
     3. The tracker gets metrics.jsonl's records as they are (nested dicts and lists included), the
        config at the start and run.png at the end: no figures of its own, no system metrics.
 
@@ -22,12 +26,18 @@ Simplifications:
 
 import dataclasses
 import importlib
+import inspect
 import math
 import os
 import platform
+import re
+import textwrap
 
 import matplotlib
 import torch
+
+from config import Config, parse_config
+from sparsity import fixed_budget, fraction_budget, pages_to_read, table_budget
 
 matplotlib.use("Agg")  # the plot is a file: no display needed
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
@@ -53,9 +63,9 @@ def step_lines(rec):
     tail = "p5" if q == 0.05 else f"q{q:g}"  # the quantile kv_quantile holds (p5: Sparrow's)
     kv = (g("rollout_speedup", "rollout vs dense {:.2f}x") + g("reward_gap", ", reward "
           "gap {:+.3f}") + g("dense_reward", " (dense {:.3f})"), g("kv_table", "kv table {}"))
-    per_bin = ((f"kv read per bin {[round(x, 2) for x in rec['kv_read_bins']]}"
+    per_bin = ((f"kv read per bin {per_bin_list(rec['kv_read_bins'])}"
                 if rec.get("kv_read_bins") else ""),
-               f"{tail} alpha per bin {[round(x, 2) for x in bins]}" if bins else "")
+               f"{tail} alpha per bin {per_bin_list(bins)}" if bins else "")
     extra = (g("distill_kl", "distill kl {:.4f}"), nz("errors", "reward errors {}"),
              g("moe_diff", "moe routes differ {:.3f}") + g("moe_diff_tok", " (tokens {:.2f})")
              + g("alpha_own_p5", ", p5 alpha own {:.3f}") + g("alpha_replay_p5", " replay {:.3f}"),
@@ -64,6 +74,22 @@ def step_lines(rec):
              g("sync_bytes", "sync {:,} bytes") + g("sync_ratio", " ({:.3f} of full)"))
     lines = [" | ".join(p for p in part if p) for part in (collect, learn, kv, per_bin, extra)]
     return f"step {rec['step']:4d}  " + "\n           ".join(line for line in lines if line)
+
+
+def cell(x, digits=3):
+    """A figure to `digits` decimals, or "-" where there is none (None, or the NaN of an empty
+    bin)."""
+    return "-" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def per_bin_list(xs):
+    """A figure per bin, 2 decimals, "-" for a bin that no position reached: [0.91, -]."""
+    return "[" + ", ".join(cell(x, 2) for x in xs) + "]"
+
+
+def figure(x, fmt="{:.3f}"):
+    """A number as the summary prints it; None as n/a, anything else as it is."""
+    return "n/a" if x is None else fmt.format(x) if isinstance(x, (int, float)) else str(x)
 
 
 def examples(problems, shown, n=3):
@@ -109,8 +135,8 @@ def summary(history, seconds, k=8):
     accs, n, tenth = [r["acc"] for r in recs if "acc" in r], len(recs), max(1, len(recs) // 10)
     mean = lambda k: sum(r.get(k, 0.0) for r in recs) / n
     total = lambda k: sum(r.get(k, 0) for r in recs)
-    rows = [("steps", f"{n}"), ("held-out accuracy before RL", f"{history['acc0']}"),
-            ("held-out accuracy after RL", f"{accs[-1] if accs else 'n/a'}"),
+    rows = [("steps", f"{n}"), ("held-out accuracy before RL", figure(history["acc0"])),
+            ("held-out accuracy after RL", figure(accs[-1] if accs else None)),
             ("reward, first 10% of steps", f"{sum(r['reward'] for r in recs[:tenth]) / tenth:.3f}"),
             ("reward, last 10% of steps", f"{sum(r['reward'] for r in recs[-tenth:]) / tenth:.3f}"),
             ("groups kept / step", f"{mean('groups_kept'):.1f} of {recs[0]['groups']}"),
@@ -143,8 +169,8 @@ def per_difficulty(history, last, k):
     rows = ["", "held-out accuracy by difficulty (start: the warm start; after RL: the end)",
             "difficulty " + "".join(f"{side[:w - 1]:>{w}}" for side, _, _ in cols),
             " " * 11 + "".join(f"{name:>{w}}" for _, name, _ in cols)]
-    for d in sorted(start["greedy"], key=int):
-        rows.append(f"{d:>10} " + "".join(f"{c.get(int(d), float('nan')):>{w}.3f}"
+    for d in sorted(start["greedy"], key=int):  # "-": no figure for that difficulty
+        rows.append(f"{d:>10} " + "".join(f"{cell(c.get(int(d))):>{w}}"
                                           for _, _, c in cols))
     return rows
 
@@ -169,9 +195,11 @@ def shown(history):
 
 def plot(history, path):
     """Training reward per step and held-out accuracy over the run (overall, and per difficulty
-    when the task has them), side by side, to `path`."""
+    when the task has them), side by side, to `path`. The difficulties' lines differ in colour,
+    line style and marker, so that lines that meet (at 1.0, say) stay apart; the legend sits
+    outside, right of the plot."""
     recs = history["records"]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
     ax[0].plot([r["step"] for r in recs], [r["reward"] for r in recs], lw=1)
     ax[0].set(xlabel="step", ylabel="mean reward", title="training reward")
     evals = [r for r in recs if "acc" in r]
@@ -181,16 +209,20 @@ def plot(history, path):
         pts = [(0, start[d])] if d in start else []
         pts += [(r["step"] + 1, r["acc_by_difficulty"].get(str(d), r["acc_by_difficulty"].get(d)))
                 for r in evals]
-        ax[1].plot(*zip(*pts), lw=1, label=f"d={d}",
+        ax[1].plot(*zip(*pts), lw=1.2, label=f"d={d}", ls=("-", "--", ":", "-.")[i % 4],
+                   marker="os^vD<>ph*"[i % 10], ms=4, mfc="none",
                    color=plt.cm.viridis_r(0.1 + 0.9 * i / max(1, len(diffs) - 1)))
-    pts = [(0, history["acc0"])] if history["acc0"] is not None else []
+    pts = [(0, history["acc0"])] if history.get("acc0") is not None else []
     pts += [(r["step"] + 1, r["acc"]) for r in evals]
     if pts:
-        ax[1].plot(*zip(*pts), marker="o", color="black", label="all")
-    ax[1].set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy", ylim=(0, 1))
-    ax[1].legend(fontsize=6, ncol=2)
+        ax[1].plot(*zip(*pts), lw=2.5, marker="o", color="black", label="all", zorder=1.5)
+    ax[1].set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy",
+              ylim=(-0.05, 1.05))  # a margin: lines at 0 or 1 stay visible
+    if pts or diffs:
+        ax[1].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
+                     ncol=1 + (len(diffs) > 12))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -206,6 +238,72 @@ def hardware(gpu=False):
     except (OSError, StopIteration):
         pass
     return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+# ----------------------------------------------------------------------------- keys that do nothing
+
+# (keys, when they do nothing, why): each such key that a run sets away from Config's default gets a
+# line in the log at the start. Only what is certain from the config alone.
+TINY_KEYS = ("n_layer n_embd n_head n_kv_head ffn n_expert n_expert_active moe_ffn sft_steps "
+             "sft_batch sft_lr sft_noise sft_slip sft_max_lines sft_difficulty sft_init sft_seed "
+             "sft_rg_kwargs")
+IDLE = [("stop_at", lambda c: c.stop_at >= c.steps, "steps={c.steps} ends the run first"),
+        ("overlong_buffer", lambda c: not c.overlong_penalty, "overlong_penalty is 0"),
+        ("overlong_penalty", lambda c: not c.overlong_buffer, "overlong_buffer is 0"),
+        ("refill_tries", lambda c: not c.dynamic_sampling, "dynamic_sampling is false"),
+        ("judge_timeout_s", lambda c: not c.judge, "no judge is set"),
+        ("kl_loss", lambda c: not c.kl_coef, "kl_coef is 0"),
+        ("is_cap", lambda c: c.is_correction != "tis", "is_correction is {c.is_correction}"),
+        ("mis_low mis_high", lambda c: c.is_correction != "mis",
+         "is_correction is {c.is_correction}"),
+        ("lora_alpha lora_dropout", lambda c: not c.lora_r, "lora_r is 0"),
+        ("spec_k", lambda c: c.rollout_mode != "speculative", "rollout_mode is {c.rollout_mode}"),
+        ("distill_lr distill_coef distill_pg", lambda c: not c.distill_r, "distill_r is 0"),
+        ("kv_scorer kv_rescore_every dense_layers kv_keep_first kv_keep_recent",
+         lambda c: c.kv_budget == "dense", "kv_budget is dense: every layer reads every page"),
+        ("max_staleness", lambda c: not c.rollout_ranks, "colocated (rollout_ranks is 0)"),
+        ("eval_k", lambda c: not c.eval_sampled, "eval_sampled is false"),
+        ("n_expert_active moe_ffn", lambda c: not c.n_expert, "n_expert is 0"),
+        (TINY_KEYS, lambda c: bool(c.model), "model is set, and they shape only the tiny model "
+                                             "and its warm start")]
+
+
+def idle_keys(cfg):
+    """A log line for each group of keys this run sets that do nothing in it (IDLE), "" if none: a
+    probe that would measure nothing says so before the warm start."""
+    base, out = Config(), []
+    for keys, idle, why in IDLE:
+        moved = [k for k in keys.split() if getattr(cfg, k) != getattr(base, k)]
+        if moved and idle(cfg):
+            out.append(f"note: {', '.join(f'{k}={show(getattr(cfg, k))}' for k in moved)} "
+                       f"{'has' if len(moved) == 1 else 'have'} no effect in this run: "
+                       + why.format(c=cfg))
+    return "\n".join(out)
+
+
+def kv_reads_all(cfg, model, train_ids):
+    """A log line when a sparse kv_budget cannot drop a page in this run ("" otherwise): every layer
+    of `model` is one of the dense_layers, or at every context length the run can reach (its
+    longest training prompt plus max_new_tokens) the budget, with the pages every step keeps,
+    covers every page. Calibrated, scheduled and controlled budgets are left out: their tables are
+    not known yet."""
+    kind, _, arg = cfg.kv_budget.partition(":")
+    if kind not in ("fraction", "fixed", "table") or cfg.kv_controller:
+        return ""
+    n_layers, longest_prompt = model.config.num_hidden_layers, max(map(len, train_ids), default=0)
+    if cfg.dense_layers >= n_layers:
+        return (f"note: kv_budget={cfg.kv_budget} has no effect: the model's {n_layers} layers are "
+                f"all among the first dense_layers={cfg.dense_layers}, which read every page")
+    budget = (fraction_budget(float(arg)) if kind == "fraction" else fixed_budget(int(arg))
+              if kind == "fixed" else table_budget(arg.split(","), cfg.kv_bin_pages))
+    tokens = longest_prompt + cfg.max_new_tokens
+    pages = -(-tokens // cfg.page_size)
+    if any(pages_to_read(budget, n, n, cfg.kv_keep_first, cfg.kv_keep_recent) < n
+           for n in range(1, pages + 1)):
+        return ""
+    return (f"note: kv_budget={cfg.kv_budget} reads every page: contexts of at most {tokens} "
+            f"tokens are {pages} pages of {cfg.page_size}, and it keeps kv_keep_first + "
+            f"kv_keep_recent = {cfg.kv_keep_first + cfg.kv_keep_recent} of them anyway")
 
 
 # -------------------------------------------------------------------------- experiment tracking
@@ -283,3 +381,80 @@ def write_block(section, text, path=RESULTS):
     with open(path, "w") as f:
         f.write(doc[:a + len(start)] + "\n" + text + "\n" + doc[b:])
     return True
+
+
+# ----------------------------------------------------------------------------- --help
+
+# --help lists every key under the stage it acts in (a test checks that each key is in one)
+STAGES = {
+    "run": "out_dir seed device dtype autocast resume overwrite threads eval_every save_every "
+           "plot tracker fsdp",
+    "model": "model chat_template n_layer n_embd n_head n_kv_head ffn n_expert n_expert_active "
+             "moe_ffn",
+    "task (the data and the held-out set)": "task rg_kwargs sft_rg_kwargs eval_rg_kwargs "
+        "rg_prompt data difficulty order n_train n_eval eval_difficulty eval_sampled eval_k",
+    "warm start (the tiny model's SFT)": "sft_steps sft_batch sft_lr sft_noise sft_slip "
+        "sft_max_lines sft_difficulty sft_init sft_seed",
+    "1 signal (which prompts)": "prompts_per_step sampler zone explore dynamic_sampling "
+        "refill_tries min_spread",
+    "2 rollout (sparse KV, speculative decoding, DistillSparse)": "group_size max_new_tokens "
+        "temperature top_p stop page_size kv_budget kv_bin_pages kv_scorer kv_rescore_every "
+        "dense_layers kv_keep_first kv_keep_recent kv_controller kv_hold kv_target kv_tv_target "
+        "kv_quantile rollout_mode spec_k spec_k_max alpha_topk kv_candidates calib_prompts "
+        "kv_compare_every distill_r distill_lr distill_coef distill_pg",
+    "3 rewards (the verifier cascade)": "math_verify max_chars judge judge_timeout_s "
+        "overlong_buffer overlong_penalty overlong_filter",
+    "4 update": "steps stop_at lr min_lr_ratio warmup_steps weight_decay grad_clip passes "
+        "minibatches micro_batch share_prompt clip_low clip_high kl_coef kl_loss adv_norm "
+        "max_skipped nm lora_r lora_alpha lora_dropout is_correction is_cap mis_low mis_high "
+        "router_replay moe_aux_coef adv_eps pack",
+    "5 sync (the rollout copy and the ranks that only generate)": "rollout_copy "
+        "rollout_copy_mask rollout_ranks max_staleness",
+}
+# Config's section titles: comments above a key that describe the section, not the key
+SECTION = re.compile(r"(run|data|rollout|warm start .*|stage \d: .*|evaluation, .*)")
+
+
+def key_comments():
+    """{key: its description}, read from Config's source: a key's comment on its line, after the
+    comment lines just above it."""
+    out, block = {}, []
+    for line in inspect.getsource(Config).splitlines():
+        code, _, inline = line.strip().partition("# ")
+        key = re.match(r"(\w+): \w+ = ", code)
+        if not code and not SECTION.fullmatch(inline):
+            block.append(inline.strip())
+        elif key:
+            out[key.group(1)] = " ".join(block + [inline.strip()]).strip()
+        if code:
+            block = []
+    return out
+
+
+def show(v):
+    """A value as --key= takes it."""
+    return str(v).lower() if isinstance(v, bool) else v if isinstance(v, str) and v else repr(
+        v).replace(" ", "")
+
+
+def help_text(argv, usage=""):
+    """--help: usage's first two paragraphs, then every key by stage with its type, the value this
+    run would use (argv's config file, configs/tiny.py without one, and overrides applied; * where
+    that is not Config's default) and what it does (its comments in Config)."""
+    cfg, base, about = parse_config(argv), Config(), key_comments()
+    files = ", ".join(a for a in argv if not a.startswith("-")) or "configs/tiny.py"
+    out = ["\n\n".join(usage.strip("\n").split("\n\n")[:2]), ""] + textwrap.wrap(
+        f"Every key, as --key=value: the value this run would use ({files}, then the command "
+        f"line; * where it is not Config's default), its type and what it does.", 100)
+    for stage, keys in STAGES.items():
+        out += ["", stage]
+        for k in keys.split():
+            v = getattr(cfg, k)
+            head = (f" {'*' if v != getattr(base, k) else ' '}--{k}={show(v)} "
+                    f"({type(v).__name__})")
+            text = textwrap.wrap(about.get(k, ""), 62) or [""]
+            if len(head) > 36:
+                out.append(head)
+                head = ""
+            out += [f"{head:<37}{text[0]}".rstrip()] + [" " * 37 + t for t in text[1:]]
+    return "\n".join(out)

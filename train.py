@@ -6,6 +6,7 @@ evaluates and saves.
     python train.py                                       # the embedded default: tiny model, CPU
     python train.py configs/gsm8k_qwen3.py                # a config file of overrides
     python train.py configs/tiny.py --steps=20 --lr=1e-3  # ... plus command-line overrides
+    python train.py --help                                # every key by stage: value, what it does
     torchrun --nproc_per_node=2 train.py --threads=1      # data parallel (gloo CPU, NCCL GPU)
     torchrun --nproc_per_node=3 train.py --rollout_ranks=1  # disaggregated: 1 generates, 2 train
 
@@ -31,14 +32,13 @@ Simplifications:
        rollout_copy=same, the module). `fsdp=true` shards training, with a full replica to generate.
     2. The embedded default builds its own warm start (warmstart.py), cached by its settings.
     3. Held-out accuracy (heldout.py) is greedy, on the policy itself, scored by the same cascade.
-    4. A config or data error stops the run with one line that names the key, before any training.
+    4. A config or data error stops the run in one line that names the key, before any training, as
+       does an out_dir that holds a run; Ctrl-C prints the last checkpoint and the resume command.
 
-`Config` in config.py is the one source of truth; the run writes the config it used to
-out_dir/config.json.
+`Config` in config.py is the one source of truth; a run writes its config to out_dir/config.json.
 """
 
 import copy
-import dataclasses
 import json
 import os
 import random
@@ -51,13 +51,13 @@ from tqdm import tqdm
 
 import copies
 import parallel
-from checkpoint import load_checkpoint, save_checkpoint
-from config import cli, parse_config
+from checkpoint import claim_out_dir, load_checkpoint, resume_note, save_checkpoint
+from config import cli, last_step, parse_config
 from heldout import before_rl, during_rl
 from model import add_lora
 from moe import moe_layers, replay_batch
 from prompts import group_has_signal, make_sampler, refill_size
-from report import Tracker, plot, step_lines, summary
+from report import Tracker, help_text, idle_keys, kv_reads_all, plot, step_lines, summary
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
 from sparse_rollout import SparseRollout
@@ -90,6 +90,7 @@ class Run:
     receiver: object = None
     masked: MaskedParams = None  # nm: the policy's fixed N:M masks (only active weights train)
     ships_copy: bool = False  # a bf16 copy that follows the policy by deltas in bf16 (stage 5)
+    step: int = None  # the step the loop is at (None: before the first), for Ctrl-C's note
 
 
 def build(cfg, rank, world, dev, role, log):
@@ -140,16 +141,20 @@ def main(argv):
     role = parallel.split_roles(cfg, rank, world)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    log = (lambda s: tqdm.write(s)) if rank == 0 else (lambda s: None)  # rank 0 prints
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    if rank == 0:
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
-    run = build(cfg, rank, world, dev, role, log)
+    log = (lambda s: s and tqdm.write(s)) if rank == 0 else (lambda s: None)  # rank 0 prints
+    claim_out_dir(cfg, rank, log)  # no run overwritten, no resume without a checkpoint
+    log(idle_keys(cfg))  # the keys set that do nothing in this run, before the warm start
+    run = None
     try:  # the cascade holds worker processes: close them however the run ends
+        run = build(cfg, rank, world, dev, role, log)
+        log(kv_reads_all(cfg, run.model, run.train_ids))  # a sparse budget that drops no page
         history = train(cfg, run, rank, log)
+    except KeyboardInterrupt as e:  # Ctrl-C: the step, the last checkpoint, the command to resume
+        e.args = (resume_note(cfg, run and run.step, argv, last_step(cfg)),)
+        raise
     finally:
-        run.cascade.close()
+        if run is not None:
+            run.cascade.close()
     if world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -181,6 +186,7 @@ def train(cfg, run, rank, log):
     bar = rank == 0 and sys.stderr.isatty()  # a bar in a file is one endless line: terminals only
     for step in tqdm(range(start, end), desc="rl", initial=start, total=end, disable=not bar,
                      dynamic_ncols=True):
+        run.step = step
         for g in run.opt.param_groups:
             g["lr"] = lr_at(cfg, step)
         last = step == end - 1
@@ -219,11 +225,6 @@ def train(cfg, run, rank, log):
             plot(history, os.path.join(cfg.out_dir, "run.png"))
         track.finish(os.path.join(cfg.out_dir, "run.png"))
     return history
-
-
-def last_step(cfg):
-    """The index of the run's last step: `steps` ends the schedule, `stop_at` may come first."""
-    return min(cfg.steps, cfg.stop_at or cfg.steps) - 1
 
 
 def rl_step(cfg, step, run):
@@ -395,4 +396,4 @@ def refresh_rollout(cfg, run):
 
 
 if __name__ == "__main__":
-    sys.exit(cli(main, sys.argv[1:]))
+    sys.exit(cli(main, sys.argv[1:], lambda argv: help_text(argv, __doc__)))
