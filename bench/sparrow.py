@@ -246,8 +246,9 @@ def predictors(runs, path=None):
 
 
 def one(path, args):
-    """One training run, train.main(args); its summary, with its arguments, written to path."""
-    hist = train.main(args)
+    """One training run, train.main(args); its summary, with its arguments, written to path. A
+    folder left by a killed attempt is overwritten (its record was never written)."""
+    hist = train.main(args + ["--overwrite=true"])
     with open(path + ".tmp", "w") as f:
         json.dump({"args": args, "summary": summary(hist)}, f)
     os.replace(path + ".tmp", path)  # a run killed mid-write leaves no record, so it reruns

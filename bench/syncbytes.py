@@ -43,7 +43,8 @@ def run(quick, cmd):
     for lr in RATES:
         out = os.path.join("out", f"bench-syncbytes-lr{lr:g}")  # beside the warm start's cache
         try:
-            recs = train.main(args + [f"--lr={lr}", f"--out_dir={out}"])["records"]
+            recs = train.main(args + [f"--lr={lr}", f"--out_dir={out}", "--overwrite=true"])[
+                "records"]
         finally:
             shutil.rmtree(out, ignore_errors=True)
         recs = [r for r in recs if "sync_bytes" in r and r["tokens"] > 0]

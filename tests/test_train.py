@@ -329,7 +329,7 @@ def test_sparse_kv_budget_in_the_loop(tmp_path, monkeypatch):
                       "--save_every=100"]
     dense = train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=dense"])["records"][0]
     sparse = train.main(run + [f"--out_dir={tmp_path}", "--kv_budget=fixed:2",
-                               "--kv_keep_recent=1"])["records"][0]
+                               "--kv_keep_recent=1", "--overwrite=true"])["records"][0]
     assert dense["kv_read"] == pytest.approx(1.0) and sparse["kv_read"] < 1.0
     # the read fraction the log gives per layer and per bin is what the engine counted
     layers = sparse["kv_read_layers"]  # dense_layers=0: every layer reads the sparse budget
