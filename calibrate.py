@@ -11,11 +11,15 @@ What is held per bin (config key kv_hold):
               <= kv_tv_target. On long exact chains this is the one that sees a failure: a mean
               1 - alpha of 0.009 over 1,000 tokens is 9 partings a rollout while p5 stays high.
 
-    python calibrate.py configs/longcot.py  # -> out/longcot/kv_schedule.json, and printed
+    python calibrate.py configs/longcot.py  # -> out/longcot/kv_schedule.json, and the command:
+    python train.py configs/longcot.py --kv_budget=schedule:out/longcot/kv_schedule.json
     python calibrate.py configs/longcot.py --kv_target=0.9 --calib_prompts=32
-    python train.py configs/longcot.py --kv_budget=schedule:out/longcot/kv_schedule.json \\
-        --kv_controller=true
     python train.py configs/longcot.py --kv_budget=calibrate  # the same sweep, at the run's start
+
+A run reads a written schedule only through kv_budget=schedule:PATH: a config whose kv_budget is
+calibrate (configs/longcot.py's) sweeps again at its start (and rewrites out_dir/kv_schedule.json),
+so calibrate.py ends by printing the train.py command that reuses its file (reuse_command): the
+same config file and overrides, with --kv_budget=schedule:PATH and the controller on.
 
 What is here:
     Schedule          pages to read per bin of cached length; an engine budget function
@@ -33,7 +37,7 @@ What is here:
     kv_budget         the engine's budget from config key kv_budget (dense, fraction, fixed, table,
                       schedule file, or the sweep at the start of the run)
     main              the CLI above: build the policy the run would start from, sweep, write the
-                      JSON
+                      JSON, print the command that trains on it (reuse_command)
 
 Simplifications:
     1. Calibration sweeps one uniform table per candidate and lets each bin pick from it, as if the
@@ -47,6 +51,7 @@ Simplifications:
 import json
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -549,8 +554,20 @@ def main(argv):
     sched = calibrated_schedule(cfg, model.eval(), tok, pool_ids)
     path = os.path.join(cfg.out_dir, "kv_schedule.json")
     save_schedule(sched, path, cfg)
-    print(f"wrote {path}; train with --kv_budget=schedule:{path} --kv_controller=true")
+    again = (" (its kv_budget=calibrate would sweep again at the run's start)"
+             if cfg.kv_budget == "calibrate" else "")
+    print(f"wrote {path}; to train on it{again}:\n    {reuse_command(argv, path, cfg)}")
     return sched
+
+
+def reuse_command(argv, path, cfg):
+    """The train.py command line that trains on the schedule at `path`: calibrate.py's own
+    arguments (config file, overrides), kv_budget=schedule:PATH, and the controller on."""
+    args = [a for a in argv if not a.startswith("--kv_budget=")]
+    args.append(f"--kv_budget=schedule:{path}")
+    if not cfg.kv_controller:
+        args.append("--kv_controller=true")
+    return "python train.py " + " ".join(shlex.quote(a) for a in args)
 
 
 if __name__ == "__main__":

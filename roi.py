@@ -10,8 +10,12 @@ model; and the comparison of the mask methods on a small model that the project 
 MODEL_DIR is a Hugging Face folder (model.Transformer.from_pretrained) with its tokenizer; OUT_DIR
 gets the masked model (save_pretrained: pruned weights stored as zeros), the tokenizer, nm.json and
 masks.pt (the bool masks by weight name: `python train.py --rollout_copy=nm2:4
---rollout_copy_mask=OUT_DIR` runs a rollout copy under them). The data is the synthetic task's
-problems with their reference traces (prompt + trace + EOS).
+--rollout_copy_mask=OUT_DIR` runs a rollout copy under them); both record the mask's task. The
+data: problems of the task MODEL_DIR was trained on and their reference traces (prompt + trace +
+EOS), as the folder records it (trained_config: a checkpoint's trainer_state.pt, a warm start's
+sft_key.json, roi.py's nm.json), else --config=FILE's (else configs/sharpen.py's, said in the log);
+a --config of another task or order than the record's is refused. Tasks with a reference trace
+only: the synthetic task (any order) and reasoning_gym:chain_sum.
 
 How RoI learns a mask (a group is m consecutive inputs of one output row, as in sparsity.nm_mask):
     1. The model's weights are frozen; every prunable Linear (sparsity.NM_SKIP: not the head, the
@@ -31,9 +35,9 @@ Simplifications:
        Wanda (--init): the first samples are near the one-shot mask (RoI's paper gives no init).
     2. The soft mask in the forward, never straight-through (RoI's authors found straight-through
        worse); one Gumbel draw per forward, shared by the batch.
-    3. Data: synthetic traces only (any tokenizer works; other tasks are not wired): training
-       problems from seed + 30,000, Wanda's 128 calibration problems from seed + 40,000, both
-       without the held-out prompts (tasks.load_problems' held-out set, the RL loop's).
+    3. Data: the model's task (above; any tokenizer works): training problems from seed + 30,000,
+       Wanda's 128 calibration problems from seed + 40,000, both without the held-out prompts
+       (tasks.load_problems' held-out set, the RL loop's).
     4. Masked dense: the zeros are stored, so the masked model is no faster without a 2:4 kernel.
     5. compare: one small model (configs/sharpen.py's warm start, with a clean teacher: sft_noise
        0), per seed (--seeds: each seed its own warm start, data and held-out problems; the table
@@ -41,12 +45,13 @@ Simplifications:
        prompt) on the held-out problems; accuracy is greedy, scored by reward.score. SR-STE and
        RoI get the same steps, batch and loss (KL to the dense model by default).
 
-Tests: `python -m pytest -q tests/test_nm.py`.
+Tests: `python -m pytest -q tests/test_nm.py tests/test_newcomer_tasks.py`.
 """
 
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -58,14 +63,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from config import cli, parse_config
+from config import RG_PREFIX, TEACHER_TASKS, cli, parse_config
 from model import Transformer, swap_module
 from report import hardware, write_block
 from reward import score
 from rollout import Engine
 from sparsity import NM_SKIP, SRSTE, apply_nm, nm_linears, nm_mask, wanda_scores
-from tasks import format_prompt, load_problems, make_synthetic, synthetic_trace
-from warmstart import build_policy
+from tasks import (CHARS, format_prompt, load_problems, make_reasoning_gym, make_synthetic,
+                   synthetic_trace)
+from warmstart import build_policy, chain_sum_trace
 
 TRAIN_SEED, CALIB_SEED = 30_000, 40_000  # offsets from the run's seed: data of their own
 CALIB_PROBLEMS = 128  # Wanda's calibration set: as many sequences as Wanda's 128
@@ -83,8 +89,8 @@ def trace_batches(tok, problems, batch):
         chunk = problems[a:a + batch]
         prompts = [tok.encode(format_prompt(tok, p, True), add_special_tokens=False)
                    for p in chunk]
-        comps = [tok.encode(synthetic_trace(p), add_special_tokens=False) + [tok.eos_token_id]
-                 for p in chunk]
+        comps = [tok.encode(chain_sum_trace(p) if p.task == "reasoning_gym" else synthetic_trace(p),
+                            add_special_tokens=False) + [tok.eos_token_id] for p in chunk]
         T = max(len(p) + len(c) for p, c in zip(prompts, comps))
         ids = torch.full((len(chunk), T), tok.pad_token_id, dtype=torch.long)
         tmask = torch.zeros(len(chunk), T, dtype=torch.bool)
@@ -253,6 +259,19 @@ def synthetic_problems(cfg, n, offset, exclude=frozenset()):
     out = [p for p in drawn if p.prompt not in exclude][:n]
     if len(out) < n:
         raise ValueError(f"only {len(out)} of {n} synthetic problems are not held out")
+    return out
+
+
+def task_problems(cfg, n, offset, exclude=frozenset()):
+    """synthetic_problems, or reasoning-gym items of cfg's task (the tiny model's characters only
+    where cfg has no model) from seed cfg.seed + offset."""
+    if not cfg.task.startswith(RG_PREFIX):
+        return synthetic_problems(cfg, n, offset, exclude)
+    drawn = make_reasoning_gym(cfg.task[len(RG_PREFIX):], 2 * n + 100, cfg.seed + offset,
+                               cfg.rg_kwargs, None if cfg.model else CHARS, cfg.rg_prompt)
+    out = [p for p in drawn if p.prompt not in exclude][:n]
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} of {n} {cfg.task} problems are not held out")
     return out
 
 
@@ -474,19 +493,74 @@ def load_model(model_dir, device):
     return Transformer.from_pretrained(model_dir, device=device).eval(), tok
 
 
+# what a saved model's record sets of the data; SAME_TASK: where a --config must agree with it
+DATA_KEYS = ("task", "order", "difficulty", "eval_difficulty", "rg_kwargs", "eval_rg_kwargs",
+             "sft_rg_kwargs", "rg_prompt", "data", "model", "n_train", "sft_difficulty",
+             "sft_steps", "sft_batch", "sft_seed")
+SAME_TASK = ("task", "order")
+
+
+def trained_config(model_dir):
+    """What MODEL_DIR records of the data it was trained on -> ({config key: value}, the file) or
+    ({}, ""): trainer_state.pt's config (train.py's checkpoint), sft_key.json (a warm start: its
+    SFT range is the difficulty) or nm.json's (a folder roi.py wrote)."""
+    state, key, nm = (os.path.join(model_dir, f) for f in ("trainer_state.pt", "sft_key.json",
+                                                           "nm.json"))
+    if os.path.exists(state):
+        return torch.load(state, map_location="cpu", weights_only=False, mmap=True)["config"], state
+    if os.path.exists(key):
+        with open(key) as f:
+            rec = json.load(f)
+        return {"task": "synthetic", **rec, "sft_seed": rec.get("seed", -1),
+                "difficulty": rec["sft_difficulty"]}, key  # a synthetic key names no task
+    if os.path.exists(nm):
+        with open(nm) as f:
+            rec = json.load(f).get("config", {})
+        return rec, nm if rec else ""
+    return {}, ""
+
+
+def task_config(args, log=print):
+    """The config that mask_saved draws its data from: MODEL_DIR's record (trained_config) over
+    --config or configs/sharpen.py; a --config of another task or order than the record's is
+    refused, and so is a task without reference traces."""
+    base = parse_config([args.config or "configs/sharpen.py", f"--seed={args.seed}",
+                         f"--n_eval={max(args.eval, 1)}"])
+    rec, where = trained_config(args.model_dir)
+    said = lambda c: ", ".join(f"{k} {c.get(k, getattr(base, k))}" for k in SAME_TASK)
+    if rec and args.config and said(rec) != said({}):
+        raise ValueError(f"{args.model_dir} was trained on {said(rec)} ({where}) but --config "
+                         f"{args.config} is {said({})}: a mask fitted on other data than the "
+                         f"model's; leave --config out to use the model's")
+    if rec and not args.config:
+        tup = lambda k, v: tuple(v) if isinstance(getattr(base, k), tuple) else v
+        base = dataclasses.replace(base, **{k: tup(k, v) for k, v in rec.items() if k in DATA_KEYS})
+    if not rec and not args.config:
+        log(f"{args.model_dir} records no task (no trainer_state.pt, sft_key.json or roi.py's "
+            f"nm.json): drawing configs/sharpen.py's; --config=FILE names the model's")
+    rg = base.task.startswith(RG_PREFIX) and base.task[len(RG_PREFIX):] in TEACHER_TASKS
+    if base.task != "synthetic" and not rg:
+        raise ValueError(f"roi.py {args.cmd}: {args.model_dir} is for task {base.task}, which has "
+                         f"no reference traces to fit a mask on (the synthetic task and "
+                         f"reasoning_gym:chain_sum have)")
+    log(f"data: {said({})}, difficulty {base.difficulty}, from "
+        + (args.config or (where if rec else "configs/sharpen.py")))
+    return base
+
+
 def mask_saved(args, log=print):
     """`learn` and `apply`: mask MODEL_DIR's model and write it, with its tokenizer and nm.json
-    (n, m, method), to --out. Perplexity before and after on --eval held-out problems."""
-    cfg = parse_config(["configs/sharpen.py", f"--seed={args.seed}", f"--n_eval={max(args.eval, 1)}"])
+    (n, m, method, the task's config keys), to --out. Perplexity before and after on --eval
+    held-out problems of the model's task (task_config)."""
+    cfg = task_config(args, log)
     model, tok = load_model(args.model_dir, args.device)
     (n, m), problems = args.nm, load_problems(cfg)[1]
     held, seen = trace_batches(tok, problems[:args.eval], 32), {p.prompt for p in problems}
     before = perplexity(model, held) if held else None
     kind = args.init if args.cmd == "learn" else args.scores
-    scores = calib_scores(model, tok, kind, synthetic_problems(cfg, CALIB_PROBLEMS, CALIB_SEED,
-                                                               seen))
+    scores = calib_scores(model, tok, kind, task_problems(cfg, CALIB_PROBLEMS, CALIB_SEED, seen))
     if args.cmd == "learn":
-        train = synthetic_problems(cfg, args.steps * args.batch, TRAIN_SEED, seen)
+        train = task_problems(cfg, args.steps * args.batch, TRAIN_SEED, seen)
         masks = learn_roi(model, tok, n, m, train, args.batch, args.lr, args.loss, scores,
                           args.init_scale, args.seed, log)
         method = f"roi (init {args.init}, {args.loss}, {args.steps} steps)"
@@ -495,11 +569,12 @@ def mask_saved(args, log=print):
     check_nm(model, masks, n, m)
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)
+    task = {k: getattr(cfg, k) for k in DATA_KEYS}
     with open(os.path.join(args.out, "nm.json"), "w") as f:
-        json.dump(dict(n=n, m=m, method=method, layers=sorted(masks)), f, indent=1)
+        json.dump(dict(n=n, m=m, method=method, layers=sorted(masks), config=task), f, indent=1)
     # the masks themselves, for a rollout copy of another model of this shape (copies.load_masks)
-    torch.save(dict(n=n, m=m, method=method, masks={k: v.cpu() for k, v in masks.items()}),
-               os.path.join(args.out, "masks.pt"))
+    torch.save(dict(n=n, m=m, method=method, masks={k: v.cpu() for k, v in masks.items()},
+                    task={k: str(task[k]) for k in SAME_TASK}), os.path.join(args.out, "masks.pt"))
     kept = sum(int(k.sum()) for k in masks.values()) / sum(k.numel() for k in masks.values())
     ppl = f"; held-out perplexity {before:.4f} -> {perplexity(model, held):.4f}" if held else ""
     log(f"wrote {args.out}: {method}, {n}:{m} on {len(masks)} Linear ({kept:.3f} of their "
@@ -529,6 +604,8 @@ def build_parser():
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--threads", type=int, default=0)
         s.add_argument("--eval", type=int, default=100, help="held-out problems (0: no eval)")
+        s.add_argument("--config", default="", help="the config file of the model's task, where "
+                       "MODEL_DIR records none (a recorded one must agree with it)")
     learn, apply_ = sub.choices["learn"], sub.choices["apply"]
     learn.add_argument("--steps", type=int, default=300)
     learn.add_argument("--batch", type=int, default=16)

@@ -6,27 +6,49 @@ synthetic task's traces.
     python train.py                     # builds the warm start (about a minute on 2 cores), then RL
     python train.py --out_dir=out/try2  # reuses it: out/warmstart-cache/sft-<hash of its settings>
     python train.py configs/longcot.py  # a curriculum: tiny's warm start first, then longer chains
+    ZEROS_CACHE=/data/ws python train.py  # the cache in another folder (any out_dir shares it)
 
 What it does:
-    1. build_policy: the tokenizer and the model, in the config's dtype.
+    1. build_policy: the tokenizer and the model, in the config's dtype. Before anything slow (a
+       download, the warm start) it checks that they and the task's data can be had (check_model,
+       check_data): a local --model folder or --data file that does not exist, a Hub model
+       neither cached nor reachable, or a Hub dataset that cannot be fetched (no network; in
+       offline mode, HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, not in the datasets cache) is one
+       line, at once, instead of a minute of retries and a traceback. A dataset task (gsm8k, math,
+       code) without --model trains the tiny character model, and the log says so.
     2. warm_start: SFT from scratch (or from sft_init: a checkpoint, or another config's warm start)
-       on teacher traces (the synthetic task's, or reasoning-gym chain_sum's: chain_sum_trace), cached under a key of every setting that shapes it (cache_path: out_dir's
-       parent/warmstart-cache/sft-<hash>), so runs in other out_dirs share it; a change of any of
-       those settings builds a new one.
+       on teacher traces (the synthetic task's, or reasoning-gym chain_sum's: chain_sum_trace),
+       cached under a key of every setting that shapes it (cache_path: sft-<hash of the key> in
+       one folder, cache_root: $ZEROS_CACHE if set, else out/warmstart-cache in the repository),
+       so every run shares it whatever its out_dir; a change of any of those settings builds a
+       new one. Its log gives the elapsed time and an estimate of the time left. An interrupted
+       build resumes: every PROGRESS_EVERY_S seconds it writes its state (weights, optimizer,
+       RNGs, step) to sft-<hash>.progress.pt beside the entry (atomically: a new file renamed
+       over the old), and the next build of the same key continues from there; the file is
+       removed once the entry is written.
 
 Simplifications:
     1. The teacher is the task's reference trace, with an optional planted error (sft_noise, see
        teacher_trace) or, on order "marked", an optional slip at each carry (sft_slip). On
        reasoning-gym's chain_sum it is exact: every line of its trace is arithmetic that holds.
     2. The SFT loop is plain: one AdamW, warmup then cosine, no packing, no evaluation.
+    3. "The Hub can be reached" is a TCP connection to its host within 3 seconds (hub_reachable;
+       through a proxy it is assumed). Without a network a Hub dataset is read from the cache only
+       in datasets' offline mode (HF_DATASETS_OFFLINE=1), which the error says; a Hub model is
+       looked up in the cache either way.
 """
 
 import hashlib
+import inspect
 import json
 import math
 import os
 import random
+import re
+import socket
 import sys
+import time
+from urllib.parse import urlparse
 
 import torch
 from tqdm import tqdm
@@ -35,9 +57,16 @@ from transformers import AutoTokenizer
 from checkpoint import save_atomic
 from config import parse_config
 from model import ModelConfig, Transformer
-from tasks import (build_char_tokenizer, is_lagged, lagged_trace, sft_problems, sft_seed,
-                   synthetic_trace)
+from tasks import (build_char_tokenizer, is_lagged, lagged_trace, load_gsm8k, load_math,
+                   load_mbpp, sft_problems, sft_seed, synthetic_trace)
 from update import build_batch, token_logprobs
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PROGRESS_EVERY_S = 60.0  # how often an SFT in progress saves what it has done (seconds)
+LOG_EVERY_S = 60.0  # a progress line at least this often (and at every tenth of the steps)
+DATASETS = {"gsm8k": load_gsm8k, "math": load_math, "code": load_mbpp}  # tasks with a data source
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # "Qwen/Qwen3-0.6B"
 
 
 def tiny_model_config(cfg, tok):
@@ -124,12 +153,61 @@ def sft_key(cfg):
     return json.loads(json.dumps({**key, "sft_difficulty": cfg.sft_difficulty or cfg.difficulty}))
 
 
+def cache_root():
+    """The warm-start cache folder: $ZEROS_CACHE if set, else out/warmstart-cache in the
+    repository, wherever the run's out_dir is."""
+    return os.path.abspath(os.environ.get("ZEROS_CACHE") or
+                           os.path.join(ROOT, "out", "warmstart-cache"))
+
+
 def cache_path(cfg):
-    """Where the warm start of `cfg` is cached: out_dir's parent/warmstart-cache/<hash of its key>,
-    so every run under out/ with the same SFT settings shares one, whatever its out_dir."""
+    """Where the warm start of `cfg` is cached: cache_root()/sft-<hash of its key>, so every run
+    with the same SFT settings shares one, whatever its out_dir."""
     digest = hashlib.sha1(json.dumps(sft_key(cfg), sort_keys=True).encode()).hexdigest()[:12]
-    parent = os.path.dirname(os.path.abspath(cfg.out_dir))
-    return os.path.join(parent, "warmstart-cache", f"sft-{digest}")
+    return os.path.join(cache_root(), f"sft-{digest}")
+
+
+def progress_path(path):
+    """An SFT in progress, beside the entry it will write: sft-<hash>.progress.pt."""
+    return path + ".progress.pt"
+
+
+def save_progress(file, key, step, model, opt, rng):
+    """The state of an SFT after `step` steps, to a new file renamed over the old: a kill at any
+    moment leaves the old complete file or the new one."""
+    state = dict(key=key, step=step, model=model.state_dict(), opt=opt.state_dict(),
+                 rng=rng.getstate(), torch_rng=torch.get_rng_state())
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    torch.save(state, file + ".tmp")
+    with open(file + ".tmp", "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(file + ".tmp", file)
+
+
+def load_progress(file, key, model, opt, rng, dev, log):
+    """Restore what save_progress wrote for this key -> the steps done (0: none to resume)."""
+    try:
+        state = torch.load(file, map_location=dev, weights_only=True)
+    except FileNotFoundError:
+        return 0
+    except Exception as e:  # a damaged file costs the steps it held, nothing else
+        log(f"warm start: starting over, {file} is unreadable ({type(e).__name__}: {e})")
+        return 0
+    if state.get("key") != key:
+        return 0
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
+    torch.set_rng_state(state["torch_rng"].cpu())
+    log(f"warm start: resuming the interrupted SFT at step {state['step']} from {file}")
+    return state["step"]
+
+
+def duration(s):
+    """Seconds -> "45s", "3m07s", "1h02m"."""
+    s = int(round(s))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else (
+        f"{s // 3600}h{s % 3600 // 60:02d}m")
 
 
 def warm_start(cfg, tok, dev, log, rank=0):
@@ -161,33 +239,7 @@ def warm_start(cfg, tok, dev, log, rank=0):
     if diff:
         raise ValueError(f"config key 'sft_init' ({cfg.sft_init}): its model differs from this "
                          f"config's: {', '.join(diff)}")
-    data = sft_problems(cfg)  # SFT's range may differ from RL's
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    rng = random.Random(sft_seed(cfg))
-    log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {cfg.sft_steps} "
-        f"steps")
-    bar = rank == 0 and sys.stderr.isatty()  # in a file a bar is one endless line: a terminal only
-    for step in tqdm(range(cfg.sft_steps), desc="sft", disable=not bar, dynamic_ncols=True):
-        batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
-        p_ids = [tok.encode(p.prompt, add_special_tokens=False) for p in batch]
-        c_ids = [torch.tensor(sft_target(tok, p, cfg, rng)) for p in batch]
-        ids, tmask = build_batch(p_ids, c_ids,
-                                 [torch.ones(len(c), dtype=torch.bool) for c in c_ids],
-                                 tok.pad_token_id)
-        ids, tmask = ids.to(dev), tmask.to(dev)
-        # 50 steps of linear warmup, then cosine to 0
-        lr = (cfg.sft_lr * min(1.0, (step + 1) / 50)
-              * (0.5 * (1 + math.cos(math.pi * step / cfg.sft_steps))))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss = -token_logprobs(model, ids, tmask)[tmask].mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if not bar and (step + 1) % max(1, cfg.sft_steps // 10) == 0:  # no bar: a line each tenth
-            log(f"warm start: step {step + 1}/{cfg.sft_steps}, loss {loss.item():.4f}")
-    log(f"warm start: final SFT loss {loss.item():.4f}")
+    sft(cfg, model, tok, dev, log, rank, key, path)
 
     def write(d):
         model.save_pretrained(d)
@@ -196,15 +248,159 @@ def warm_start(cfg, tok, dev, log, rank=0):
             json.dump(key, f)
 
     save_atomic(path, write)
+    if os.path.exists(progress_path(path)):  # the entry supersedes it
+        os.remove(progress_path(path))
     return model
+
+
+def sft(cfg, model, tok, dev, log, rank, key, path):
+    """The SFT loop, in place: from the progress file of an interrupted build of the same key if
+    there is one, saving its own every PROGRESS_EVERY_S seconds; a line each tenth of the steps
+    (and at least every LOG_EVERY_S seconds) with the time spent and an estimate of the time
+    left."""
+    data = sft_problems(cfg)  # SFT's range may differ from RL's
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    rng = random.Random(sft_seed(cfg))
+    file, n = progress_path(path), cfg.sft_steps
+    start = load_progress(file, key, model, opt, rng, dev, log)
+    log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {n} steps"
+        + (f", from step {start}" if start else "") + f", to be cached in {path}")
+    bar = rank == 0 and sys.stderr.isatty()  # in a file a bar is one endless line: a terminal only
+    t0 = shown = saved = time.perf_counter()
+    loss = None
+    for step in tqdm(range(start, n), desc="sft", disable=not bar, dynamic_ncols=True,
+                     initial=start, total=n):
+        batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
+        p_ids = [tok.encode(p.prompt, add_special_tokens=False) for p in batch]
+        c_ids = [torch.tensor(sft_target(tok, p, cfg, rng)) for p in batch]
+        ids, tmask = build_batch(p_ids, c_ids,
+                                 [torch.ones(len(c), dtype=torch.bool) for c in c_ids],
+                                 tok.pad_token_id)
+        ids, tmask = ids.to(dev), tmask.to(dev)
+        # 50 steps of linear warmup, then cosine to 0
+        lr = cfg.sft_lr * min(1.0, (step + 1) / 50) * (0.5 * (1 + math.cos(math.pi * step / n)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = -token_logprobs(model, ids, tmask)[tmask].mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        now = time.perf_counter()
+        if step + 1 < n and now - saved >= PROGRESS_EVERY_S:
+            save_progress(file, key, step + 1, model, opt, rng)
+            saved = now
+        if not bar and ((step + 1) % max(1, n // 10) == 0 or now - shown >= LOG_EVERY_S):
+            left = (now - t0) / (step + 1 - start) * (n - step - 1)
+            log(f"warm start: step {step + 1}/{n}, loss {loss.item():.4f}, {duration(now - t0)} "
+                f"elapsed, about {duration(left)} left")
+            shown = now
+    if loss is not None:
+        log(f"warm start: final SFT loss {loss.item():.4f}")
+
+
+# ----------------------------------------------------------------------------- before the build
+
+
+def offline_mode():
+    """The offline switch of huggingface_hub, datasets or transformers is on."""
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in OFFLINE_VARS)
+
+
+def hub_reachable(timeout=3.0):
+    """A TCP connection to the Hub's host (HF_ENDPOINT, default huggingface.co) opens within
+    `timeout` seconds. Through a proxy (HTTPS_PROXY, ALL_PROXY) the download is left to try."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def hub_state():
+    """Why the Hub cannot be used now ("offline mode is on", "... cannot be reached"), or ""."""
+    if offline_mode():
+        return f"offline mode is on ({', '.join(v for v in OFFLINE_VARS if os.environ.get(v))})"
+    if not hub_reachable():
+        host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+        return f"the Hugging Face Hub ({host}) cannot be reached"
+    return ""
+
+
+def looks_like_path(name):
+    """A local path rather than a Hub id ("org/name"): it starts with / . or ~, or has a path
+    separator and is not of the Hub's form."""
+    return name.startswith(("/", ".", "~")) or (
+        (os.sep in name or "/" in name) and not HUB_ID.fullmatch(name))
+
+
+def check_model(name):
+    """-> where to load config key 'model' from: the local folder, the Hub id (the Hub is
+    reachable), or its copy in the Hugging Face cache (the Hub is not). FileNotFoundError, one line,
+    for a local path that does not exist or holds no model, or a Hub id neither cached nor
+    reachable."""
+    if os.path.isdir(name):
+        if not os.path.exists(os.path.join(name, "config.json")):
+            raise FileNotFoundError(f"config key 'model': {name} is a folder but not a model "
+                                    f"folder (it has no config.json)")
+        return name
+    if looks_like_path(name):
+        what = "is a file, not a model folder" if os.path.exists(name) else "does not exist"
+        raise FileNotFoundError(f"config key 'model': the local folder {name} {what}")
+    why = hub_state()
+    if not why:
+        return name
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # not in the cache, whichever way huggingface_hub says it
+        raise FileNotFoundError(
+            f"config key 'model': {name} is not a local folder nor in the Hugging Face cache, and "
+            f"{why}: run once with a network to download it (later runs can set HF_HUB_OFFLINE=1 "
+            f"to read the cache), or give the path of a local model folder") from None
+
+
+def check_data(cfg):
+    """A dataset task's data can be had, before anything slow: a local data file exists; a Hub
+    dataset (config key 'data', or the task's default) is reachable, or, in offline mode, cached.
+    FileNotFoundError, one line, otherwise."""
+    loader = DATASETS.get(cfg.task)
+    if loader is None or (cfg.data and os.path.exists(cfg.data)):
+        return
+    source = cfg.data or inspect.signature(loader).parameters["source"].default
+    if looks_like_path(source) or source.endswith((".jsonl", ".json", ".parquet")):
+        raise FileNotFoundError(f"config key 'data': the local file {source} does not exist")
+    why, fix = hub_state(), (
+        f"run once with a network to download it into the datasets cache (then, or if it is there "
+        f"already, HF_DATASETS_OFFLINE=1 reads it without a network), or give a local copy: "
+        f"--data=FILE.jsonl")
+    if why and not offline_mode():
+        raise FileNotFoundError(f"task {cfg.task}: dataset {source} cannot be fetched, {why}: "
+                                f"{fix}")
+    if why:  # offline mode: only the cache can serve it
+        try:
+            loader(source=source, split="test", limit=1)
+        except (ConnectionError, OSError) as e:
+            raise FileNotFoundError(f"task {cfg.task}: dataset {source} is not in the datasets "
+                                    f"cache and {why}: {fix} ({type(e).__name__})") from None
 
 
 def build_policy(cfg, dev, log, rank=0, world=1):
     """-> (model, tokenizer). Real models come from a checkpoint; the tiny one from its warm start,
-    which rank 0 builds (or finds cached) and the other ranks then read."""
+    which rank 0 builds (or finds cached) and the other ranks then read. The model and the task's
+    data are checked first (check_model, check_data)."""
+    if cfg.task in DATASETS and not cfg.model:
+        log(f"task {cfg.task} with no --model: the policy is the tiny character-level model (one "
+            f"token per character, warm-started by SFT on the synthetic task), not a pretrained "
+            f"LM; --model=Qwen/Qwen3-0.6B (as configs/gsm8k_qwen3.py) trains a real one")
+    check_data(cfg)
     if cfg.model:
-        tok = AutoTokenizer.from_pretrained(cfg.model)
-        model = Transformer.from_pretrained(cfg.model, device=dev)
+        src = check_model(cfg.model)
+        tok = AutoTokenizer.from_pretrained(src)
+        model = Transformer.from_pretrained(src, device=dev)
     else:
         tok = build_char_tokenizer(os.path.join(cfg.out_dir, "tokenizer"))
         if rank == 0:

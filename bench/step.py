@@ -2,19 +2,20 @@
 bench/step.py: one whole RL step, zeros against TRL's GRPOTrainer, side by side in one process.
 
 Both sides start from the warm start of configs/sharpen.py (the earlier default, a fixed workload:
-the tiny model, an HF folder under out/warmstart-cache: zeros reads it with Transformer.from_pretrained, TRL with
-AutoModelForCausalLM) and train on the same prompts in the same order: zeros draws them (uniform
-sampling, no dynamic sampling, so every group trains), the bench records each step's draw and hands
-TRL that list, unshuffled. The shapes are the same (16 prompts x 8 rollouts, at most 64 new tokens,
-temperature 1, one optimizer step per batch, no KL term), and so is the reward: zeros' verifier
-cascade (reward.Cascade, an exact match on the synthetic task), with rows cut at the token limit
-scored 0 on both sides. Per side and thread count (1 and 2): the median wall time of a step
-(generate, reward, log-probs, backward, optimizer; the first step is a warm-up and not counted),
-the time per generated token, and the mean completion length (the two sides sample differently, so
-their lengths differ a little: the per-token figure allows for that).
+the tiny model, an HF folder in the warm-start cache, warmstart.cache_root: zeros reads it with
+Transformer.from_pretrained, TRL with AutoModelForCausalLM) and train on the same prompts in the
+same order: zeros draws them (uniform sampling, no dynamic sampling, so every group trains), the
+bench records each step's draw and hands TRL that list, unshuffled. The shapes are the same (16
+prompts x 8 rollouts, at most 64 new tokens, temperature 1, one optimizer step per batch, no KL
+term), and so is the reward: zeros' verifier cascade (reward.Cascade, an exact match on the
+synthetic task), with rows cut at the token limit scored 0 on both sides. Per side and thread count
+(1 and 2): the median wall time of a step (generate, reward, log-probs, backward, optimizer; the
+first step is a warm-up and not counted), the time per generated token, and the mean completion
+length (the two sides sample differently, so their lengths differ a little: the per-token figure
+allows for that).
 
 TRL is optional: `pip install trl` (the section was written against trl 1.16). Without it the
-section prints how to install it and skips.
+section prints how to install it and its one row says "skipped: trl not installed".
 
 Simplifications:
     1. A step's time is zeros' train.rl_step (stages 1-5) and, for TRL, the trainer's step from
@@ -40,6 +41,7 @@ import train
 from bench.common import TABLE_HEAD, hardware
 
 INSTALL = "pip install trl"
+SKIPPED = "skipped: trl not installed"  # the ratio cell of the row without TRL
 BASE = ["configs/sharpen.py", "--sampler=uniform", "--dynamic_sampling=false", "--prompts_per_step=16",
         "--group_size=8", "--max_new_tokens=64", "--temperature=1.0", "--passes=1",
         "--minibatches=1", "--kl_coef=0", "--eval_every=1000", "--n_eval=8",
@@ -63,7 +65,7 @@ def zeros_side(steps, threads, out):
     train.rl_step = timed
     try:
         hist = train.main(BASE + [f"--stop_at={steps}", f"--threads={threads}",
-                                  f"--out_dir={out}"])
+                                  f"--out_dir={out}", "--overwrite=true"])  # a killed run's
     finally:
         train.rl_step = rl_step
     return times, hist["records"], [x for batch in drawn for x in batch], seen["run"]
@@ -129,14 +131,13 @@ def run(quick, cmd):
     try:
         import trl
     except ImportError:
-        line = f"TRL is not installed: `{INSTALL}` to run this section; skipped"
-        print(line)
-        return TABLE_HEAD + [f"| whole RL step against TRL's GRPOTrainer | | | 0.00x | | | "
-                             f"`{cmd}`: {line} |"]
+        print(f"TRL is not installed: `{INSTALL}` to run this section; skipped")
+        return TABLE_HEAD + [f"| whole RL step against TRL's GRPOTrainer | | | {SKIPPED} | | | "
+                             f"`{cmd}` (`{INSTALL}` to run it) |"]
     steps = 3 if quick else 8
     rows = []
     for threads in (1,) if quick else (1, 2):
-        out = os.path.join("out", "bench-step")  # beside the warm start's cache: shares it
+        out = os.path.join("out", "bench-step")  # the warm start's cache is shared whatever this is
         try:
             z_t, recs, drawn, run_ = zeros_side(steps, threads, out + "-zeros")
             t_t, t_len = trl_side(run_, run_cfg(out).lr, drawn, steps, threads, out + "-trl")

@@ -76,14 +76,14 @@ def test_lagged_order_copies_at_the_lag_and_ends_on_a_zero_line_start():
         assert synthetic_trace(p) == p.meta["trace"]
 
 
-def test_lagged_teacher_slips_at_its_pattern_and_sft_sees_a_prefix():
+def test_lagged_teacher_slips_at_its_pattern_and_sft_sees_a_prefix(tmp_path):
     """The lagged teacher (warmstart.teacher_trace): with slip 0 it is the reference trace, cut at
     sft_max_lines lines (no "#" then, and sft_target adds no EOS to a prefix); with slip 1 the
     first difference from the reference is an s of 9 where the pair before is "99" and v is 9."""
     import random
     from warmstart import sft_target, teacher_trace
     from config import parse_config
-    tok = build_char_tokenizer(os.path.join(ROOT, "out", "test-tokenizer"))
+    tok = build_char_tokenizer(str(tmp_path / "tok"))
     SFT_LINES = 5
     cfg = parse_config(["--order=lagged", "--difficulty=(2,30)", f"--sft_max_lines={SFT_LINES}"])
     slipped = 0
