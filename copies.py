@@ -213,6 +213,21 @@ def load_masks(path):
                          f"(want n, m and masks): {e}") from None
 
 
+def check_mask_task(path, cfg):
+    """A mask file fitted on another task is refused: roi.py records the task and order it
+    learned on (files without the record pass)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "masks.pt")
+    try:
+        task = torch.load(path, map_location="cpu", weights_only=True).get("task")
+    except (OSError, AttributeError, RuntimeError, pickle.UnpicklingError):
+        return  # load_masks names what is wrong with the file
+    if task and (task.get("task"), task.get("order")) != (str(cfg.task), str(cfg.order)):
+        raise ValueError(f"rollout copy mask file {path} was fitted on task {task.get('task')}, "
+                         f"order {task.get('order')}; this run is task {cfg.task}, order "
+                         f"{cfg.order}: learn a mask on this run's model (python roi.py learn)")
+
+
 def check_masks(masks, layers, path):
     """Mask-file masks against the copy's pruned layers ({weight name: (weight, n, m)}): same
     names, same shapes, exactly n of every m kept. -> the masks, on the weights' devices."""
@@ -405,6 +420,8 @@ def rollout_model_for(cfg, model, prompt_ids=None):
     if mask == "wanda" and not prompt_ids:
         raise ValueError("config key 'rollout_copy_mask' = wanda needs the task's prompts")
     calib = calib_batches(prompt_ids) if mask == "wanda" else None
+    if mask not in ("magnitude", "wanda"):
+        check_mask_task(mask, cfg)
     return make_rollout_copy(merge_lora(copy_module.deepcopy(model)) if cfg.lora_r else model,
                              cfg.rollout_copy, mask, calib)
 

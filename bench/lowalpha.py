@@ -85,7 +85,7 @@ def run(quick, cmd):
         args += ["--sft_steps=10", "--sft_init=", "--max_new_tokens=200", "--calib_prompts=1",
                  "--group_size=2", f"--out_dir={tmp}/run"]
     cfg = parse_config(args)
-    # the warm start is cached beside out_dir (out/warmstart-cache): build_policy writes its
+    # the warm start is cached in warmstart.cache_root() (out/warmstart-cache): build_policy writes its
     # tokenizer to the out_dir it is given, a folder of its own removed at the end
     tok_dir = f"{os.path.dirname(cfg.out_dir) or '.'}/lowalpha-tok"
     try:

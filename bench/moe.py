@@ -26,7 +26,6 @@ Simplifications:
     python -m bench moe --quick                         # one seed, 2 steps: a smoke run
 """
 
-import dataclasses
 import json
 import os
 import shutil
@@ -121,11 +120,8 @@ def run(quick, cmd):
             f"--rollout_copy={COPY}"] + ARGS[quick]
     root = tempfile.mkdtemp(prefix="zeros-bench-moe-")
     cfg = parse_config(args + [f"--out_dir={root}/warm"])
-    cached = cache_path(dataclasses.replace(cfg, out_dir=os.path.join(ROOT, "out", "tiny_moe")))
     results = {arm: [] for arm in ARMS}
     try:
-        if os.path.isdir(cached):  # the warm start `python train.py configs/tiny_moe.py` built
-            shutil.copytree(cached, cache_path(cfg))
         build_policy(cfg, torch.device("cpu"), print)  # built here if not: outside the timing
         for seed in seeds:
             share_warm_start(cfg, parse_config(args + [f"--seed={seed}",

@@ -22,7 +22,7 @@ question the seeds leave open: over arms x seeds, which statistic predicts the h
 dense run of the same seed? Spearman's rank correlation of each (per-position p5, the rollout TV
 tail, the paired reward gap at step 0) with it. Writes assets/sparrow.png (reward, accuracy and
 alpha per bin; mean over seeds, a band of one sd) and assets/sparrow_predict.png (the three
-scatters).
+scatters); --quick writes them under out/bench_sparrow_quick/ instead.
 
 Simplifications:
     1. alpha is Sparrow's per-position acceptance rate that the run logs (1 - TV between the
@@ -333,9 +333,10 @@ def run(quick, cmd, jobs=1):
         shutil.rmtree(tmp, ignore_errors=True)
     runs = {name: list(by.values()) for name, by in by_seed.items()}
     results = {name: aggregate(r) for name, r in runs.items() if r}  # --jobs 0: maybe not all
-    os.makedirs("assets", exist_ok=True)
-    plot(results, "assets/sparrow.png", cfg.kv_target)
-    pred = predictors(by_seed, "assets/sparrow_predict.png")
+    art = "out/bench_sparrow_quick" if quick else "assets"  # a smoke run leaves the repo alone
+    os.makedirs(art, exist_ok=True)
+    plot(results, f"{art}/sparrow.png", cfg.kv_target)
+    pred = predictors(by_seed, f"{art}/sparrow_predict.png")
     return table(results, runs, pred, cfg, seeds, cmd)
 
 

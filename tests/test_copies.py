@@ -2,6 +2,7 @@
 inputs, fp8 weights stay within e4m3's rounding, both FP8Linear paths compute the same thing,
 refresh tracks the policy in place, and each form's log-prob mismatch against the policy is finite
 and ordered (same < bf16 < fp8 < 2:4)."""
+import dataclasses
 import json
 
 import pytest
@@ -332,6 +333,16 @@ def test_a_roi_mask_file_round_trips_into_the_copy(tmp_path):
         assert torch.equal(w, masked[k]), k  # the same zeros, and the same kept weights
     with pytest.raises(ValueError, match="are 2:4"):
         make_rollout_copy(base, "nm1:4", str(tmp_path / "roi"))
+    # the file records the task it was fitted on (a bare folder: configs/sharpen.py's); a run of
+    # another task or order is refused, one of the same is not
+    from config import parse_config
+    saved = torch.load(tmp_path / "roi" / "masks.pt")["task"]
+    same = parse_config(["--rollout_copy=nm2:4", f"--rollout_copy_mask={tmp_path / 'roi'}",
+                         f"--order={saved['order']}", f"--task={saved['task']}", "--sft_slip=0"])
+    assert rollout_model_for(same, base).rollout_masks is not None
+    other = dataclasses.replace(same, order="lagged" if saved["order"] != "lagged" else "marked")
+    with pytest.raises(ValueError, match="was fitted on task"):
+        rollout_model_for(other, base)
 
 
 def test_rollout_model_for_reads_the_mask_key(tmp_path):

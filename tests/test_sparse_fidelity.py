@@ -188,7 +188,7 @@ def test_speculative_mode_in_the_loop_is_exact_and_logs_acceptance(tmp_path, mon
     assert recs[0]["spec_k"] == 3 and all(1 <= r["spec_k"] <= (6 if distill else 3) for r in recs)
     assert all(("distill_kl" in r) == bool(distill) for r in recs)
     assert all(r["mismatch"] == "exact" and "alpha_p5" not in r for r in recs)
-    assert all(0 <= r["spec_accept"] <= 1 and 1 <= r["spec_per_verify"] <= 4 for r in recs)
+    assert all(0 <= r["spec_accept"] <= 1 and 1 <= r["spec_per_verify"] <= r["spec_k"] + 1 for r in recs)
     assert all("reward_gap" in r and r["rollout_speedup"] > 0 for r in recs)
     assert len(seen) == 2 and max(seen) < 1e-4  # the rollouts' log-probs are the trainer's
     with pytest.raises(ValueError, match="speculative"):
