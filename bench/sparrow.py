@@ -297,8 +297,9 @@ def run(quick, cmd, jobs=1):
     records, root = (tmp, tmp) if quick else (RUNS, os.path.dirname(cfg.out_dir) or ".")
     os.makedirs(records, exist_ok=True)
     plan = plan_runs(args, seeds, records, root)
-    todo = [p for p in plan if recorded(p[2], p[3]) is None] if jobs else []
-    print(f"{len(plan) - len(todo)} of {len(plan)} runs recorded in {os.path.relpath(records)}; "
+    missing = [p for p in plan if recorded(p[2], p[3]) is None]
+    todo = missing if jobs else []
+    print(f"{len(plan) - len(missing)} of {len(plan)} runs recorded in {os.path.relpath(records)}; "
           f"running {len(todo)}, {jobs} at a time (each one's log beside its record)", flush=True)
     try:
         if todo and jobs > 1:  # the runs share one warm start: build it before they start
