@@ -56,7 +56,8 @@ def step_lines(rec):
     tq = f"tv q{1 - rec.get('alpha_bins', {}).get('q', 0.05):.2f}"  # the rollout TV's tail
     learn = (g("alpha_p5", "p5 alpha {:.3f}") + g("tv_tail", f" {tq} {{:.2f}}")
              + g("tv_mean", " mean {:.2f}") + g("mismatch", "mismatch {}")
-             + g("spec_k", " k {}") + g("spec_accept", " accept {:.3f}") + g("spec_per_verify", " {:.2f} a verify"),
+             + g("spec_k", " k {}") + g("spec_accept", " accept {:.3f}")
+             + g("spec_per_verify", " {:.2f} a verify"),
              g("loss", "loss {:+.4f}") + g("grad_norm", " gn {:.2f}") + g("train_s", " {:.1f}s"),
              g("acc", "acc {:.3f}"))
     bins, q = rec.get("alpha_bins", {}).get("p5"), rec.get("alpha_bins", {}).get("q", 0.05)

@@ -4,8 +4,8 @@ model; and the comparison of the mask methods on a small model that the project 
 
     python roi.py learn MODEL_DIR --nm=2:4 --steps=300 --out=OUT_DIR  # RoI, distilled from dense
     python roi.py apply MODEL_DIR --nm=2:4 --scores=wanda --out=OUT_DIR  # one-shot mask
-    python roi.py compare --out_dir=out/roi --threads=1 --write-results  # bench/RESULTS.md: 3 seeds,
-                                                      # 30 and 150 steps (--seeds, --steps)
+    python roi.py compare --out_dir=out/roi --threads=1 --write-results  # RESULTS.md: 3 seeds,
+                                                  # 30 and 150 steps (--seeds, --steps)
 
 MODEL_DIR is a Hugging Face folder (model.Transformer.from_pretrained) with its tokenizer; OUT_DIR
 gets the masked model (save_pretrained: pruned weights stored as zeros), the tokenizer, nm.json and

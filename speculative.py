@@ -172,7 +172,8 @@ def generate_speculative(eng, prompt_ids, group_size, seed):
     cache.routes = record_routes(None, 0)  # MoE routes: not recorded in this mode
     cache.record = [] if eng.record_pages else None  # the draft's selections
     st = dict(draft_s=0.0, verify_s=0.0, drafted=0, accepted=0, verifies=0, verify_calls=0,
-              draft_steps=0, full_rounds=0, pages_read=0, pages_dense=0, draft_pages=0, verify_pages=0)
+              draft_steps=0, full_rounds=0, pages_read=0, pages_dense=0, draft_pages=0,
+              verify_pages=0)
     t0 = time.perf_counter()
     logits, calls = eng._prefill(cache, groups, N)
     t1 = time.perf_counter()

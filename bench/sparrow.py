@@ -227,7 +227,8 @@ def predictors(runs, path=None):
     each predictor against the held-out gap (the run's final accuracy minus the dense run's of
     the same seed). Writes the three scatters to `path`."""
     dense = runs.get("(a) dense", {})
-    pts = [(s, dense[seed]["acc"]) for arm, by in runs.items() if arm[:3] not in ("(a)", "(h)", "(i)")
+    lossless = ("(a)", "(h)", "(i)")  # dense and the speculative arms: no mismatch to predict with
+    pts = [(s, dense[seed]["acc"]) for arm, by in runs.items() if arm[:3] not in lossless
            for seed, s in by.items() if seed in dense]
     out = [(label, spearman([s[k] for s, _ in pts], [s["acc"] - d for s, d in pts]),
             [(s[k], s["acc"] - d) for s, d in pts]) for k, label in PREDICTORS]
