@@ -309,3 +309,16 @@ def test_compare_table_gives_mean_and_sd_over_seeds_and_the_gap_to_the_same_seed
     assert roi.parse_ints("30,150") == [30, 150]
     with pytest.raises(Exception, match="ints"):
         roi.parse_ints("30,x")
+
+
+def test_compare_leaves_out_a_seed_whose_dense_model_did_not_learn():
+    """A seed whose warm start failed (dense held-out accuracy below roi.MIN_DENSE_ACC) is named in
+    the head and left out of the table: its masks tie a broken model."""
+    rows = [dict(seed=s, nm="dense", method="dense", steps=0, ppl=1.0, acc=a, secs=0.0)
+            for s, a in ((0, 1.0), (3, 0.14))]
+    rows += [dict(seed=s, nm="2:4", method="roi", steps=30, ppl=1.01, acc=a, secs=1.0)
+             for s, a in ((0, 0.9), (3, 0.12))]
+    head, table = roi.compare_table(rows, "python roi.py compare")
+    assert "Seeds 0 (" in head and "Left out: seed 3 (dense held-out accuracy 0.140)" in head
+    assert all(c.strip() != "2" for c in table.splitlines()[3].split("|"))  # one seed counted
+    assert "| 2:4 | roi | 30 | 1 |" in table
