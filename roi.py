@@ -41,7 +41,7 @@ Simplifications:
     4. Masked dense: the zeros are stored, so the masked model is no faster without a 2:4 kernel.
     5. compare: one small model (configs/sharpen.py's warm start, with a clean teacher: sft_noise
        0), per seed (--seeds: each seed its own warm start, data and held-out problems; the table
-       gives mean and sd). Perplexity is exp(mean NLL of the reference completion tokens given the
+       gives mean and sd over the seeds whose dense model learned the task, and names the rest). Perplexity is exp(mean NLL of the reference completion tokens given the
        prompt) on the held-out problems; accuracy is greedy, scored by reward.score. SR-STE and
        RoI get the same steps, batch and loss (KL to the dense model by default).
 
@@ -57,6 +57,7 @@ import math
 import os
 import sys
 import time
+from statistics import mean, stdev
 
 import torch
 import torch.nn as nn
@@ -388,19 +389,18 @@ def mask_with(method, model, tok, n, m, args, data, log):
 
 def compare(args, log=print):
     """For each --seeds seed: dense, then magnitude and Wanda (one-shot) and SR-STE and RoI at each
-    --steps, at each --nm, on configs/sharpen.py's warm start of that seed (the earlier default,
-    with a clean teacher), scored on that seed's held-out problems -> rows; writes
-    out_dir/compare.json and .md (mean and sd over the seeds)."""
+    --steps, at each --nm, on configs/sharpen.py's warm start of that seed (a clean teacher),
+    scored on its held-out problems -> rows; writes out_dir/compare.json and .md."""
     rows = [r for seed in args.seeds for r in compare_seed(args, seed, log)]
     with open(os.path.join(args.out_dir, "compare.json"), "w") as f:
         json.dump(dict(rows=rows, args={k: v for k, v in vars(args).items() if k != "func"},
                        hardware=hardware(gpu=torch.cuda.is_available())), f, indent=1)
-    head, table = compare_table(rows, "python roi.py " + " ".join(sys.argv[1:]))
+    text = "\n\n".join(compare_table(rows, "python roi.py " + " ".join(sys.argv[1:])))
     with open(os.path.join(args.out_dir, "compare.md"), "w") as f:
-        f.write(head + "\n\n" + table + "\n")
-    log(head + "\n\n" + table)
+        f.write(text + "\n")
+    log(text)
     if args.write_results:
-        write_block("roi", head + "\n\n" + table)
+        write_block("roi", text)
     return rows
 
 
@@ -408,17 +408,14 @@ def compare_table(rows, cmd):
     """(head, table) over the seeds whose dense model learned the task: a seed whose warm start
     is below MIN_DENSE_ACC held-out accuracy is named in the head and left out (every mask ties a
     broken model there, which says nothing about the masks)."""
-    bad = sorted(r["seed"] for r in rows if r["method"] == "dense" and r["acc"] < MIN_DENSE_ACC)
+    acc = {r["seed"]: r["acc"] for r in rows if r["method"] == "dense"}
+    bad = sorted(s for s, a in acc.items() if a < MIN_DENSE_ACC)
     good = [r for r in rows if r["seed"] not in bad]
-    seeds = sorted({r["seed"] for r in good})
     head = (f"Hardware: {hardware(gpu=torch.cuda.is_available())}. Command: `{cmd}`. Seeds "
-            f"{', '.join(map(str, seeds))} (each its own warm start and held-out set); mean and sd "
-            f"over them.")
-    if bad:
-        acc = {r["seed"]: r["acc"] for r in rows if r["method"] == "dense"}
-        head += (" Left out: seed " + ", ".join(f"{s} (dense held-out accuracy {acc[s]:.3f})"
-                                                 for s in bad)
-                 + f", whose warm start did not learn the task (below {MIN_DENSE_ACC}).")
+            f"{', '.join(str(s) for s in sorted(acc) if s not in bad)} (each its own warm start "
+            f"and held-out set); mean and sd over them." + (" Left out: seed " + ", ".join(
+                f"{s} (dense held-out accuracy {acc[s]:.3f})" for s in bad) + ", whose warm start "
+                f"did not learn the task (below {MIN_DENSE_ACC})." if bad else ""))
     return head, results_table(good) if good else "(no seed's warm start learned the task)"
 
 
@@ -458,20 +455,15 @@ def results_table(rows):
     """Markdown: one row per (sparsity, method, steps), mean and sd over the seeds. The traces are
     nearly determined by their prompt, so perplexities sit near 1: the NLL per token (its log)
     shows the differences better."""
-    def ms(xs, f):
-        m = sum(xs) / len(xs)
-        sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
-        return f"{m:{f}} ± {sd:{f.lstrip('+')}}"
-
+    ms = lambda xs, f: f"{mean(xs):{f}} ± {stdev(xs) if len(xs) > 1 else 0.0:{f.lstrip('+')}}"
     keys = list(dict.fromkeys((r["nm"], r["method"], r["steps"]) for r in rows))
     by = {k: [r for r in rows if (r["nm"], r["method"], r["steps"]) == k] for k in keys}
     dense = {r["seed"]: r["acc"] for r in by[keys[0]]}
     lines = ["| sparsity | method | training steps (of --batch traces) | seeds | held-out NLL, "
              "nats/token | greedy accuracy | vs dense (same seed) | mask time |",
              "|---|---|---|---|---|---|---|---|"]
-    for k, rs in by.items():
-        nm, method, steps = k
-        gap = "" if k == keys[0] else ms([r["acc"] - dense[r["seed"]] for r in rs], "+.3f")
+    for (nm, method, steps), rs in by.items():
+        gap = "" if (nm, method, steps) == keys[0] else ms([r["acc"] - dense[r["seed"]] for r in rs], "+.3f")
         how = "" if nm == "dense" else ("one-shot" if method in ("magnitude", "wanda") else steps)
         lines.append(f"| {nm} | {method} | {how} | {len(rs)} | "
                      f"{ms([math.log(r['ppl']) for r in rs], '.4f')} | "
@@ -598,13 +590,9 @@ def mask_saved(args, log=print):
 
 def parse_ints(text):
     """"30,150" -> [30, 150] (each >= 0)."""
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}")
-    if not out or min(out) < 0:
-        raise argparse.ArgumentTypeError(f"expected ints >= 0, got {text!r}")
-    return out
+    if not all(x.strip().isdigit() for x in text.split(",")):
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 0, got {text!r}")
+    return [int(x) for x in text.split(",")]
 
 
 def build_parser():
