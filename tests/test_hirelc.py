@@ -50,13 +50,7 @@ def test_bad_options_are_refused():
 
 
 # a known landscape: the p5 a block's setting costs, times the block's sensitivity
-DAMAGE = {"dense": 0.0, "6:8": 0.03, "4:8": 0.06, "2:4": 0.1, "1:4": 0.3,
-          "bf16": 0.0, "fp8": 0.02, "int8": 0.05}
-SENS = [0.5, 1.0, 1.5]
-
-
-def landscape_p5(setting):
-    return 1.0 - sum(s * (DAMAGE[p] + DAMAGE[q]) for s, (p, q) in zip(SENS, setting))
+from tests.test_methods import SENS, landscape_p5  # noqa: E402
 
 
 class Landscape:
