@@ -65,7 +65,9 @@ class Config:
     sft_rg_kwargs: dict = field(default_factory=dict)
     eval_rg_kwargs: dict = field(default_factory=dict)
     # question: the prompt is the item's question and tasks.RG_INSTRUCTION; expression: its
-    # metadata's expression and "=" alone (chain_sum: "47+35-19="), compact for the character model
+    # metadata's expression and "=" alone (chain_sum: "47+35-19="), compact for the character model;
+    # last_paragraph: the question's last paragraph and the instruction (string_splitting: the
+    # counts, where the rules before them are the same in every item)
     rg_prompt: str = "question"
     # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
     data: str = ""
@@ -308,7 +310,8 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
            "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
            "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update"),
-           "rg_prompt": ("question", "expression"), "tracker": ("none", "trackio", "wandb")}
+           "rg_prompt": ("question", "expression", "last_paragraph"),
+           "tracker": ("none", "trackio", "wandb")}
 POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head",
             "n_kv_head", "ffn", "moe_ffn", "prompts_per_step", "max_new_tokens", "page_size",
             "kv_bin_pages", "kv_rescore_every", "spec_k",
@@ -455,7 +458,8 @@ def check_kv_budget(cfg):
 
 
 RG_PREFIX = "reasoning_gym:"
-TEACHER_TASKS = ("chain_sum",)  # reasoning-gym tasks whose traces the tiny model's teacher writes
+# reasoning-gym tasks whose traces the tiny model's teacher writes (warmstart.teacher_trace)
+TEACHER_TASKS = ("chain_sum", "string_splitting")
 
 
 def check_task(cfg):
@@ -492,6 +496,11 @@ def check_task(cfg):
         if not isinstance(expr, str) or expr not in item["question"]:  # countdown's: its answer
             raise ValueError(f"config key 'rg_prompt': {name}'s questions are not their metadata's "
                              f"'expression' (chain_sum's are); use question")
+    if cfg.rg_prompt == "last_paragraph":
+        gen = DATASETS[name][0](DATASETS[name][1](**cfg.rg_kwargs, size=2, seed=0))
+        if gen[0]["question"].strip().count("\n\n") < 1:
+            raise ValueError(f"config key 'rg_prompt': {name}'s questions have one paragraph; "
+                             f"use question")
     if not cfg.model and name not in TEACHER_TASKS:  # warmstart.teacher_trace writes no others
         raise ValueError(f"config key 'task' ({cfg.task}) needs model=<a hub name or folder>: "
                          f"the tiny model's warm start has teacher traces only for "

@@ -531,7 +531,8 @@ def make_reasoning_gym(name: str, n: int, seed: int, kwargs: Optional[dict] = No
     is drawn from seed + i, so the same arguments give the same problems. Items with no usable
     question or answer, and (with `chars`, the character tokenizer's) items that use a character
     outside `chars`, are skipped with one warning that counts them (ValueError if none is left).
-    prompt "expression": the metadata's expression, unspaced, and "=" ("47+35-19=")."""
+    prompt "expression": the metadata's expression and "=" ("47+35-19="); "last_paragraph": the
+    question's last paragraph (and the instruction)."""
     import reasoning_gym  # lazy: 1.5 s to import, and only these tasks need it
 
     kwargs = dict(kwargs or {})
@@ -555,6 +556,7 @@ def make_reasoning_gym(name: str, n: int, seed: int, kwargs: Optional[dict] = No
         if prompt == "expression":  # config.check_task: the expression is the question
             return Problem(item["metadata"]["expression"].replace(" ", "") + "=", a,
                            "reasoning_gym", meta), None
+        q = q.strip().split("\n\n")[-1] if prompt == "last_paragraph" else q  # config.check_task
         return Problem(q.strip() + RG_INSTRUCTION, a, "reasoning_gym", meta), None
 
     return _collect((data[i] for i in range(n)), parse, RG_PREFIX + name, None)

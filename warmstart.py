@@ -98,6 +98,33 @@ def chain_sum_trace(problem):
     return "".join(steps) + f"\n#### {total}"
 
 
+def string_splitting_trace(problem):
+    """reasoning-gym string_splitting's exact trace, from the item's metadata (its states): one
+    line a state, the rule that made it (0 for the start), then the counts of A B C X Y Z, each in
+    at least two digits so that a digit sits at the same place on every line; the answer follows
+    "####" in the library's form:
+    "0 03 03 00 00 00 00\n1 02 03 00 02 01 00\n...\n#### 0 1 0 4 0 3". Every line follows from
+    the one above it by the first rule that applies (a rule is read off the change it made), so
+    past the first line, which reads the prompt's counts, a token needs only
+    the last 20 or so: a long chain of local steps."""
+    states = problem.meta["entry"]["metadata"]["states"]
+    lines = []
+    for prev, now in zip([None] + states[:-1], states):
+        rule = 0 if prev is None else _splitting_rule(prev, now)
+        lines.append(" ".join([str(rule)] + [f"{v:02d}" for v in now]))
+    return "\n".join(lines) + "\n#### " + " ".join(map(str, states[-1]))
+
+
+def _splitting_rule(prev, now):
+    """Which of string_splitting's five rules turned the counts prev into now (A B C X Y Z)."""
+    delta = tuple(b - a for a, b in zip(prev, now))
+    rules = {(-1, 0, 0, 2, 1, 0): 1, (0, -2, 0, 1, 0, 0): 2, (0, 0, -2, 0, 1, 0): 3,
+             (1, -1, -1, 0, 0, 0): 4, (0, 0, 0, -1, -1, 1): 5}
+    if delta not in rules:
+        raise ValueError(f"string_splitting: no rule turns {prev} into {now}")
+    return rules[delta]
+
+
 def teacher_trace(problem, noise, rng, slip=0.0, max_lines=0):
     """The SFT target: the task's reference trace, except that with probability `noise` the teacher
     ends on the value it looked up last instead of the running sum ("a=7>7 b=2>9 #2" instead of
@@ -107,7 +134,9 @@ def teacher_trace(problem, noise, rng, slip=0.0, max_lines=0):
     that probability the teacher adds the carry into the units digit and carries on from its own
     wrong total ("7>7,5>3." instead of "7>7,5>2."): a weak learner's slip, which comes with the
     input and compounds along the chain; order "lagged": see tasks.lagged_trace."""
-    if problem.task == "reasoning_gym":  # config.TEACHER_TASKS: chain_sum, exact
+    if problem.task == "reasoning_gym":  # config.TEACHER_TASKS: exact traces
+        if problem.meta["rg_name"] == "string_splitting":
+            return string_splitting_trace(problem)
         return chain_sum_trace(problem)
     if is_lagged(problem.prompt):  # max_lines > 0: at most that many lines (a prefix, no end)
         return lagged_trace(problem.prompt, slip, rng, max_lines)[0]

@@ -36,22 +36,31 @@ def main(argv):
     p.add_argument("--jobs", type=int, default=1,
                    help="sparrow: training runs at a time, each in its own process at --threads "
                         "(0: run none, only tabulate the runs recorded so far)")
+    p.add_argument("--config", default="",
+                   help="sparrow: the config its arms train on (default configs/lagged.py; "
+                        "configs/splitting.py is the second task family), its own block of "
+                        "RESULTS.md")
     p.add_argument("--write-results", action="store_true",
                    help="rewrite the section's marked block of bench/RESULTS.md")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     section = importlib.import_module(f"bench.{args.section}")
-    extra = {"jobs": args.jobs} if args.section == "sparrow" else {}
+    if args.config and args.section != "sparrow":
+        p.error("--config is sparrow's")
+    extra, block = {}, args.section
+    if args.section == "sparrow":
+        extra = {"jobs": args.jobs, **({"config": args.config} if args.config else {})}
+        block += section.family(args.config or section.CONFIG)
     table = "\n".join(section.run(args.quick, " ".join(["python -m bench"] + argv), **extra))
     print("\n" + table)
     if args.write_results:
         name = os.path.relpath(RESULTS)
-        if write_block(args.section, table):
-            print(f"{name}: rewrote the {args.section} block")
+        if write_block(block, table):
+            print(f"{name}: rewrote the {block} block")
         else:
-            print(f"{name} has no <!-- bench:{args.section} --> ... <!-- /bench:{args.section} --> "
-                  f"block: printed only")
+            print(f"{name} has no <!-- bench:{block} --> ... <!-- /bench:{block} --> block: "
+                  f"printed only")
 
 
 if __name__ == "__main__":

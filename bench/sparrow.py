@@ -41,7 +41,14 @@ Simplifications:
     5. The oracle arm's speed is not a speed: its scorer reads every key. Its read fraction is the
        figure: the pages a perfect ranking needs at the same target.
 
+A second task family, so that the answer is not one task's: `--config configs/splitting.py`,
+reasoning-gym's string_splitting with an exact teacher (900-1,800 generated tokens, every line
+computed from the one above it: local, where lagged's copy tokens look 256 back). The same arms
+from its own warm start; its records in bench/sparrow_runs/splitting/, its plots
+assets/sparrow-splitting*.png, its table the RESULTS block sparrow-splitting.
+
     python -m bench sparrow --threads 1 --jobs 2   # hours: 27 runs, 2 at a time, 1 thread each
+    python -m bench sparrow --config configs/splitting.py --jobs 2   # the second family
     python -m bench sparrow --jobs 0               # the table and plot of the runs recorded so far
     python -m bench sparrow --quick                # 2 steps, a short warm start: a smoke run
 """
@@ -266,10 +273,11 @@ def same_run(a, b):
     return keep(a) == keep(b)
 
 
-def plan_runs(args, seeds, records, root):
-    """[(arm, seed, its record's path, its train.py arguments)], seed by seed."""
+def plan_runs(args, seeds, records, root, tag=""):
+    """[(arm, seed, its record's path, its train.py arguments)], seed by seed; tag names the task
+    family in the runs' folders ("" for configs/lagged.py)."""
     return [(name, seed, f"{records}/arm{i}-seed{seed}.json",
-             args + extra + [f"--seed={seed}", f"--out_dir={root}/sparrow-arm{i}-seed{seed}"])
+             args + extra + [f"--seed={seed}", f"--out_dir={root}/sparrow{tag}-arm{i}-seed{seed}"])
             for seed in seeds for i, (name, extra) in enumerate(arms(FIXED).items())]
 
 
@@ -283,21 +291,30 @@ def recorded(path, args):
     return rec["summary"] if same_run(rec["args"], args) else None
 
 
-def run(quick, cmd, jobs=1):
-    """-> the table, its own head included (its columns differ from the other sections')."""
+def family(config):
+    """A config's tag: "" for configs/lagged.py (the first family, whose records, plots and
+    RESULTS block keep their names), else "-<its file name>" ("-splitting")."""
+    stem = os.path.splitext(os.path.basename(config))[0]
+    return "" if os.path.abspath(config) == os.path.abspath(CONFIG) else f"-{stem}"
+
+
+def run(quick, cmd, jobs=1, config=CONFIG):
+    """-> the table, its own head included (its columns differ from the other sections'). config:
+    the task family the arms train on."""
     small = ["--steps=2", "--sft_steps=10", "--sft_init=", "--n_eval=4", "--eval_every=1",
              "--calib_prompts=2", "--prompts_per_step=2", "--group_size=2", "--max_new_tokens=96",
              "--difficulty=(1,2)"]
     seeds = SEEDS[:2] if quick else SEEDS
     threads = f"--threads={torch.get_num_threads()}"
-    args = [CONFIG, "--plot=false", "--sft_seed=0", threads] + (small if quick else [])
-    cfg = parse_config(args)
+    args = [config, "--plot=false", "--sft_seed=0", threads] + (small if quick else [])
+    cfg, tag = parse_config(args), family(config)
     # a full run keeps each run's record in RUNS and skips the runs recorded with the same
     # arguments: the runs take hours, and an interrupted bench resumes where it stopped
     tmp, live = tempfile.mkdtemp(prefix="zeros-bench-sparrow-"), []
-    records, root = (tmp, tmp) if quick else (RUNS, os.path.dirname(cfg.out_dir) or ".")
+    records, root = (tmp, tmp) if quick else (RUNS + tag.replace("-", "/"),
+                                              os.path.dirname(cfg.out_dir) or ".")
     os.makedirs(records, exist_ok=True)
-    plan = plan_runs(args, seeds, records, root)
+    plan = plan_runs(args, seeds, records, root, tag)
     missing = [p for p in plan if recorded(p[2], p[3]) is None]
     todo = missing if jobs else []
     print(f"{len(plan) - len(missing)} of {len(plan)} runs recorded in {os.path.relpath(records)}; "
@@ -337,12 +354,12 @@ def run(quick, cmd, jobs=1):
     results = {name: aggregate(r) for name, r in runs.items() if r}  # --jobs 0: maybe not all
     art = "out/bench_sparrow_quick" if quick else "assets"  # a smoke run leaves the repo alone
     os.makedirs(art, exist_ok=True)
-    plot(results, f"{art}/sparrow.png", cfg.kv_target)
-    pred = predictors(by_seed, f"{art}/sparrow_predict.png")
-    return table(results, runs, pred, cfg, seeds, cmd)
+    plot(results, f"{art}/sparrow{tag}.png", cfg.kv_target)
+    pred = predictors(by_seed, f"{art}/sparrow{tag}_predict.png")
+    return table(results, runs, pred, cfg, seeds, cmd, config)
 
 
-def table(results, runs, pred, cfg, seeds, cmd):
+def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
     """The arms' table, then the predictors' rank correlations."""
     pm = lambda m_sd, f=".3f": "-" if m_sd[0] != m_sd[0] else f"{m_sd[0]:{f}} ± {m_sd[1]:{f}}"
     spec = lambda a: ("" if a["draft_share"][0] != a["draft_share"][0] else
@@ -358,7 +375,7 @@ def table(results, runs, pred, cfg, seeds, cmd):
                     f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['reward0'])} -> "
                     f"{pm(a['reward1'])} | {pm(a['p5'])} | {pm(a['tv'], '.2f')} | "
                     f"{pm(a['accept'])}{spec(a)} | {a['tables'][0] or '-'} |")
-    head = [f"Hardware: {hardware()}. Command: `{cmd}`. {CONFIG}, seeds "
+    head = [f"Hardware: {hardware()}. Command: `{cmd}`. {config}, seeds "
             f"{', '.join(map(str, seeds))} (one warm start, sft_seed 0; the seed varies the pool, "
             f"the held-out set and the sampling), {cfg.steps} steps of {cfg.prompts_per_step} x "
             f"{cfg.group_size} rollouts, bins of {cfg.kv_bin_pages} pages of {cfg.page_size} "
@@ -372,7 +389,7 @@ def table(results, runs, pred, cfg, seeds, cmd):
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     corr = ["", "Which statistic predicts the held-out gap (final accuracy minus the dense run's of "
             "the same seed), over the lossy arms x seeds; Spearman's rho "
-            "(assets/sparrow_predict.png):", "",
+            f"(assets/sparrow{family(config)}_predict.png):", "",
             "| predictor | rho | runs |", "|---|---|---|"]
     corr += [f"| {label} | {rho:+.2f} | {len(xy)} |" for label, rho, xy in pred]
     return head + rows + corr + at_scale(results, cfg)

@@ -148,3 +148,23 @@ def test_sparrow_tabulates_the_recorded_runs_and_reruns_a_changed_one(tmp_path, 
     rows = [line.split(" | ") for line in lines if line.startswith("| (")]
     assert [(r[0], r[1]) for r in rows] == [("| (a) dense", "1")]
     assert rows[0][6] == "0.500 ± 0.000 -> 0.750 ± 0.000"
+
+
+def test_sparrow_keeps_a_second_task_family_apart(tmp_path, monkeypatch):
+    """`--config configs/splitting.py`: its records in their own folder, its runs' folders and plots
+    tagged, its own RESULTS block; configs/lagged.py keeps its names. --config is sparrow's alone."""
+    from bench import sparrow
+    from bench.__main__ import main
+    assert sparrow.family(sparrow.CONFIG) == "" and sparrow.family("configs/splitting.py") == "-splitting"
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sparrow, "RUNS", str(tmp_path))
+    monkeypatch.setattr(sparrow, "plot", lambda *a: None)
+    real = sparrow.predictors
+    monkeypatch.setattr(sparrow, "predictors", lambda runs, path=None: real(runs))
+    lines = sparrow.run(False, "cmd", jobs=0, config="configs/splitting.py")
+    assert (tmp_path / "splitting").is_dir() and "configs/splitting.py, seeds" in lines[0]
+    assert "sparrow-splitting_predict.png" in "\n".join(lines)
+    plan = sparrow.plan_runs(["configs/splitting.py"], [0], "recs", "out", "-splitting")
+    assert plan[0][2] == "recs/arm0-seed0.json" and plan[0][3][-1] == "--out_dir=out/sparrow-splitting-arm0-seed0"
+    with pytest.raises(SystemExit):
+        main(["step", "--config", "configs/splitting.py"])

@@ -277,3 +277,68 @@ def test_a_random_answer_passes_well_under_1_in_20_on_the_far_bins():
             "chain_sum", 4000, seed=n, kwargs={"min_digits": 1, "max_digits": 1, "min_terms": n,
                                                "max_terms": n})]
         assert max(answers.count(a) for a in set(answers)) / len(answers) < 1 / 30
+
+
+# ------------------------------------------- configs/splitting.py: the second long-CoT family of the sparse bench
+
+
+def test_the_string_splitting_teacher_is_exact_and_local(cascade):
+    """Each line of the teacher's trace is the line above it under the library's own rule (its
+    _apply_rule), the first line is the prompt's counts, and the answer scores 1 through the cascade;
+    a trace whose last count is off scores below 1. Breaking the rule read-off (rule numbers shifted)
+    or a state (one count off) fails here."""
+    from warmstart import string_splitting_trace
+    kw = {"min_initial_machines": 3, "max_initial_machines": 12}
+    ps = make_reasoning_gym("string_splitting", 12, seed=5, kwargs=kw, prompt="last_paragraph")
+    gen = rg.create_dataset("string_splitting", size=1, seed=0, **kw)
+    for p in ps:
+        trace = teacher_trace(p, 0.0, None)
+        assert trace == string_splitting_trace(p)
+        body, _, answer = trace.partition("\n#### ")
+        rows = [[int(v) for v in line.split()] for line in body.split("\n")]
+        a, b, c = map(int, re.search(r"(\d+) machine A, (\d+) machine B, and (\d+) machine C", p.prompt).groups())
+        assert rows[0] == [0, a, b, c, 0, 0, 0]
+        for prev, now in zip(rows, rows[1:]):
+            assert now[1:] == gen._apply_rule(prev[1:]) and now[1:] != prev[1:]
+            rule = next(i + 1 for i, ok in enumerate([prev[1] >= 1, prev[2] >= 2, prev[3] >= 2,
+                                                      prev[2] >= 1 and prev[3] >= 1,
+                                                      prev[4] >= 1 and prev[5] >= 1]) if ok)
+            assert now[0] == rule
+        assert gen._apply_rule(rows[-1][1:]) == rows[-1][1:]  # no rule applies: the end
+        assert all(len(v) >= 2 for line in body.split("\n") for v in line.split()[1:])
+        assert answer == " ".join(map(str, rows[-1][1:])) == p.answer
+    wrong = [t[:-1] + str((int(t[-1]) + 1) % 10) for t in (teacher_trace(p, 0.0, None) for p in ps)]
+    res = cascade.score_batch(ps + ps, [teacher_trace(p, 0.0, None) for p in ps] + wrong)
+    assert res.rewards[:12] == [1.0] * 12 and max(res.rewards[12:]) < 1.0
+
+
+def test_a_transition_no_rule_makes_is_refused():
+    from warmstart import _splitting_rule
+    assert _splitting_rule([3, 3, 0, 0, 0, 0], [2, 3, 0, 2, 1, 0]) == 1
+    with pytest.raises(ValueError, match="no rule turns"):
+        _splitting_rule([3, 3, 0, 0, 0, 0], [2, 3, 0, 2, 2, 0])
+
+
+def test_last_paragraph_prompts_keep_what_varies_and_are_refused_where_there_is_one_paragraph():
+    ps = make_reasoning_gym("string_splitting", 3, seed=0, prompt="last_paragraph")
+    for p in ps:
+        q = p.meta["entry"]["question"]
+        assert p.prompt == q.strip().split("\n\n")[-1] + RG_INSTRUCTION and p.prompt.startswith("Now, you have")
+        assert len(p.prompt) < len(q) / 3
+    with pytest.raises(ValueError, match="one paragraph; use question"):
+        parse_config(["--task=reasoning_gym:chain_sum", "--rg_prompt=last_paragraph"])
+
+
+def test_the_splitting_config_is_a_long_local_chain_the_tiny_model_can_take():
+    """configs/splitting.py: the tiny model's teacher writes its traces; RL's traces run about 900 to
+    1,800 tokens; the SFT data reaches below RL's range; the held-out set shares no prompt with the
+    pool or the SFT data; every prompt and trace fits the tiny model's context."""
+    cfg = parse_config([os.path.join(ROOT, "configs", "splitting.py"), "--n_train=200", "--sft_steps=20"])
+    assert cfg.task == "reasoning_gym:string_splitting" and not cfg.model
+    pool, held = load_problems(cfg)
+    sft = sft_problems(cfg)
+    assert not {p.prompt for p in held} & {p.prompt for p in pool + sft}
+    lens = [len(teacher_trace(p, 0.0, None)) for p in pool]
+    assert 850 <= min(lens) and max(lens) <= cfg.max_new_tokens and 1100 <= sum(lens) / len(lens) <= 1600
+    assert min(len(teacher_trace(p, 0.0, None)) for p in sft) < 600  # short chains too
+    assert max(len(p.prompt) for p in pool + held + sft) + cfg.max_new_tokens <= 512 + cfg.max_new_tokens

@@ -1,0 +1,42 @@
+# python train.py configs/splitting.py
+# The second long-CoT family of `python -m bench sparrow --config configs/splitting.py`: reasoning-gym's
+# string_splitting (machines A, B, C dismantled and combined into parts X, Y, Z by five rules, applied
+# until none applies). The teacher is exact (warmstart.string_splitting_trace): one line a state, "1 26 28
+# 16 02 01 00", 55 to 110 lines, about 900 to 1,800 generated tokens. Unlike configs/lagged.py, whose copy
+# tokens look 256 back, every line here follows from the one above it: after the first line a token needs
+# only the last 20 or so. The same 0.8M-parameter model and sparse settings as configs/lagged.py.
+out_dir = "out/splitting"
+task = "reasoning_gym:string_splitting"
+rg_kwargs = {"min_initial_machines": 12, "max_initial_machines": 25}  # RL and held out
+sft_rg_kwargs = {"min_initial_machines": 1}  # the warm start: 1 to 25 machines of each kind
+rg_prompt = "last_paragraph"  # the counts; the rules, the same in every item, are the warm start's
+n_train = 2000
+n_eval = 32
+n_layer = 4
+n_embd = 128
+n_head = 4
+n_kv_head = 2
+ffn = 384
+# warm start: exact traces, short and long chains, for fewer steps than it takes to get every line
+# right: a rollout of 100 lines that slips at one line in 300 fails about a third of the time
+sft_steps = 500
+sft_batch = 8
+sft_lr = 2e-3
+prompts_per_step = 4
+group_size = 8
+max_new_tokens = 2048
+lr = 5e-5
+steps = 20
+warmup_steps = 2
+refill_tries = 0
+micro_batch = 8
+eval_every = 5
+save_every = 5
+# stage 2 (the sparse arms of the bench; this config alone decodes densely), as configs/lagged.py
+page_size = 64
+kv_bin_pages = 8
+kv_rescore_every = 4
+dense_layers = 1
+kv_candidates = (3, 4, 6, 8, 12, 16, 24, 32, 48)
+calib_prompts = 4
+kv_compare_every = 5
