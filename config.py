@@ -92,8 +92,9 @@ class Config:
     # total: a slip that comes with the input, more often the longer the chain (warmstart.py);
     # order "lagged": the chance of its rarer slip (tasks.lagged_trace)
     sft_slip: float = 0.0
-    # order "lagged": SFT trains on at most this many lines of a trace (a prefix, with no end);
-    # 0 = whole traces. Short prefixes are cheap, but a model trained on them alone fails past them
+    # order "lagged", string_splitting: SFT trains on at most this many lines of a trace (a prefix,
+    # with no end); 0 = whole traces. Short prefixes are cheap, but a model trained on them alone
+    # fails past them
     sft_max_lines: int = 0
     # synthetic warm start: range of chain lengths for SFT (empty: difficulty)
     sft_difficulty: tuple = ()
@@ -361,8 +362,9 @@ def check(cfg):
         raise bad("kv_quantile", "within (0, 1)")
     if cfg.sft_seed < -1:
         raise bad("sft_seed", ">= 0, or -1 for the run's seed")
-    if cfg.sft_max_lines and cfg.order != "lagged":
-        raise bad("sft_max_lines", "0 unless order is 'lagged'")
+    if cfg.sft_max_lines and cfg.order != "lagged" and cfg.task != RG_PREFIX + "string_splitting":
+        raise bad("sft_max_lines", "0 unless order is 'lagged' or task is "
+                  f"{RG_PREFIX}string_splitting")
     if cfg.order == "marked":  # a fixed number of items: no chain longer than that
         for k in ("difficulty", "sft_difficulty", "eval_difficulty"):
             if getattr(cfg, k) and getattr(cfg, k)[1] > MARKED_VARS:

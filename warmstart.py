@@ -17,7 +17,8 @@ What it does:
        line, at once, instead of a minute of retries and a traceback. A dataset task (gsm8k, math,
        code) without --model trains the tiny character model, and the log says so.
     2. warm_start: SFT from scratch (or from sft_init: a checkpoint, or another config's warm start)
-       on teacher traces (the synthetic task's, or reasoning-gym chain_sum's: chain_sum_trace),
+       on teacher traces (the synthetic task's, or reasoning-gym chain_sum's and string_splitting's:
+       chain_sum_trace, string_splitting_trace),
        cached under a key of every setting that shapes it (cache_path: sft-<hash of the key> in
        one folder, cache_root: $ZEROS_CACHE if set, else out/warmstart-cache in the repository),
        so every run shares it whatever its out_dir; a change of any of those settings builds a
@@ -30,7 +31,7 @@ What it does:
 Simplifications:
     1. The teacher is the task's reference trace, with an optional planted error (sft_noise, see
        teacher_trace) or, on order "marked", an optional slip at each carry (sft_slip). On
-       reasoning-gym's chain_sum it is exact: every line of its trace is arithmetic that holds.
+       reasoning-gym's chain_sum and string_splitting it is exact: every line of its trace holds.
     2. The SFT loop is plain: one AdamW, warmup then cosine, no packing, no evaluation.
     3. "The Hub can be reached" is a TCP connection to its host within 3 seconds (hub_reachable;
        through a proxy it is assumed). Without a network a Hub dataset is read from the cache only
@@ -98,7 +99,7 @@ def chain_sum_trace(problem):
     return "".join(steps) + f"\n#### {total}"
 
 
-def string_splitting_trace(problem):
+def string_splitting_trace(problem, max_lines=0):
     """reasoning-gym string_splitting's exact trace, from the item's metadata (its states): one
     line a state, the rule that made it (0 for the start), then the counts of A B C X Y Z, each in
     at least two digits so that a digit sits at the same place on every line; the answer follows
@@ -112,6 +113,8 @@ def string_splitting_trace(problem):
     for prev, now in zip([None] + states[:-1], states):
         rule = 0 if prev is None else _splitting_rule(prev, now)
         lines.append(" ".join([str(rule)] + [f"{v:02d}" for v in now]))
+    if 0 < max_lines < len(lines):  # sft_max_lines: a prefix, no "####" ending (and no EOS)
+        return "\n".join(lines[:max_lines]) + "\n"
     return "\n".join(lines) + "\n#### " + " ".join(map(str, states[-1]))
 
 
@@ -136,7 +139,7 @@ def teacher_trace(problem, noise, rng, slip=0.0, max_lines=0):
     input and compounds along the chain; order "lagged": see tasks.lagged_trace."""
     if problem.task == "reasoning_gym":  # config.TEACHER_TASKS: exact traces
         if problem.meta["rg_name"] == "string_splitting":
-            return string_splitting_trace(problem)
+            return string_splitting_trace(problem, max_lines)
         return chain_sum_trace(problem)
     if is_lagged(problem.prompt):  # max_lines > 0: at most that many lines (a prefix, no end)
         return lagged_trace(problem.prompt, slip, rng, max_lines)[0]

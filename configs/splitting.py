@@ -17,11 +17,13 @@ n_embd = 128
 n_head = 4
 n_kv_head = 2
 ffn = 384
-# warm start: exact traces, short and long chains, for fewer steps than it takes to get every line
-# right: a rollout of 100 lines that slips at one line in 300 fails about a third of the time
-sft_steps = 500
+# warm start in three stages: configs/splitting_base.py (whole traces: the rules, but the prompt's counts
+# misread), configs/splitting_copy.py (the first 2 lines: the counts read, the chain forgotten), then 150 steps
+# on whole traces of 1 to 25 machines again
+sft_init = "configs/splitting_copy.py"
+sft_steps = 150
 sft_batch = 8
-sft_lr = 2e-3
+sft_lr = 1e-3
 prompts_per_step = 4
 group_size = 8
 max_new_tokens = 2048

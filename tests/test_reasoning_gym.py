@@ -312,6 +312,18 @@ def test_the_string_splitting_teacher_is_exact_and_local(cascade):
     assert res.rewards[:12] == [1.0] * 12 and max(res.rewards[12:]) < 1.0
 
 
+def test_a_string_splitting_prefix_has_its_first_lines_and_no_end():
+    """sft_max_lines on string_splitting: the first lines of the exact trace and no "####" (so no EOS:
+    warmstart.sft_target), or the whole trace where it is shorter; refused on a task without prefixes."""
+    from warmstart import string_splitting_trace
+    p = make_reasoning_gym("string_splitting", 1, seed=2, kwargs={"min_initial_machines": 5})[0]
+    whole = string_splitting_trace(p)
+    assert teacher_trace(p, 0.0, None, max_lines=2) == "\n".join(whole.split("\n")[:2]) + "\n"
+    assert string_splitting_trace(p, 10_000) == whole and "####" in whole
+    with pytest.raises(ValueError, match="sft_max_lines"):
+        parse_config(["--task=reasoning_gym:chain_sum", "--sft_max_lines=2"])
+
+
 def test_a_transition_no_rule_makes_is_refused():
     from warmstart import _splitting_rule
     assert _splitting_rule([3, 3, 0, 0, 0, 0], [2, 3, 0, 2, 1, 0]) == 1
