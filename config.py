@@ -362,9 +362,8 @@ def check(cfg):
         raise bad("kv_quantile", "within (0, 1)")
     if cfg.sft_seed < -1:
         raise bad("sft_seed", ">= 0, or -1 for the run's seed")
-    if cfg.sft_max_lines and cfg.order != "lagged" and cfg.task != RG_PREFIX + "string_splitting":
-        raise bad("sft_max_lines", "0 unless order is 'lagged' or task is "
-                  f"{RG_PREFIX}string_splitting")
+    if cfg.sft_max_lines and cfg.order != "lagged" and not cfg.task.endswith(":string_splitting"):
+        raise bad("sft_max_lines", "0 unless order is 'lagged' or the task string_splitting")
     if cfg.order == "marked":  # a fixed number of items: no chain longer than that
         for k in ("difficulty", "sft_difficulty", "eval_difficulty"):
             if getattr(cfg, k) and getattr(cfg, k)[1] > MARKED_VARS:
@@ -492,21 +491,27 @@ def check_task(cfg):
     for k in rg_keys:
         check_rg_kwargs(k, name, DATASETS[name][1],
                         {**cfg.rg_kwargs, **getattr(cfg, k)} if k != "rg_kwargs" else cfg.rg_kwargs)
-    if cfg.rg_prompt == "expression":
-        item = DATASETS[name][0](DATASETS[name][1](**cfg.rg_kwargs, size=1, seed=0))[0]
-        expr = item.get("metadata", {}).get("expression")
-        if not isinstance(expr, str) or expr not in item["question"]:  # countdown's: its answer
-            raise ValueError(f"config key 'rg_prompt': {name}'s questions are not their metadata's "
-                             f"'expression' (chain_sum's are); use question")
-    if cfg.rg_prompt == "last_paragraph":
-        gen = DATASETS[name][0](DATASETS[name][1](**cfg.rg_kwargs, size=2, seed=0))
-        if gen[0]["question"].strip().count("\n\n") < 1:
-            raise ValueError(f"config key 'rg_prompt': {name}'s questions have one paragraph; "
-                             f"use question")
+    if cfg.rg_prompt != "question":
+        check_rg_prompt(cfg.rg_prompt, name, DATASETS[name][0](DATASETS[name][1](
+            **cfg.rg_kwargs, size=1, seed=0))[0])
     if not cfg.model and name not in TEACHER_TASKS:  # warmstart.teacher_trace writes no others
         raise ValueError(f"config key 'task' ({cfg.task}) needs model=<a hub name or folder>: "
                          f"the tiny model's warm start has teacher traces only for "
                          f"{', '.join(TEACHER_TASKS)} and the synthetic task")
+
+
+def check_rg_prompt(prompt, name, item):
+    """rg_prompt against one of the generator's items: "expression" needs its metadata's expression
+    to be its question (chain_sum's; countdown's is its answer), "last_paragraph" a question of more
+    than one paragraph."""
+    if prompt == "expression":
+        expr = item.get("metadata", {}).get("expression")
+        if not isinstance(expr, str) or expr not in item["question"]:
+            raise ValueError(f"config key 'rg_prompt': {name}'s questions are not their metadata's "
+                             f"'expression' (chain_sum's are); use question")
+    if prompt == "last_paragraph" and item["question"].strip().count("\n\n") < 1:
+        raise ValueError(f"config key 'rg_prompt': {name}'s questions have one paragraph; use "
+                         f"question")
 
 
 def check_rg_kwargs(key, name, config_cls, kwargs):
