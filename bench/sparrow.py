@@ -396,17 +396,22 @@ def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
 
 
 def winner(results):
-    """The lossy arm to carry to scale: the fastest whose held-out accuracy is within one dense
-    sd of dense's mean, else the most accurate one (None without dense or lossy arms)."""
+    """The lossy arm to carry to scale: the fastest that trains like dense (held-out accuracy and
+    training reward in the last fifth of the steps each within one dense sd of dense's mean: an
+    arm whose rollouts all fail trains on nothing and keeps its warm start's accuracy), else the
+    most accurate of those that keep the reward, else the most accurate (None without dense or
+    lossy arms)."""
     dense = results.get("(a) dense")
     lossy = {n: a for n, a in results.items() if n[:3] in ("(c)", "(d)", "(e)", "(f)")}
     if dense is None or not lossy:
         return None
-    ok = {n: a for n, a in lossy.items() if a["acc"][0] >= dense["acc"][0] - dense["acc"][1]}
+    near = lambda a, k: a[k][0] >= dense[k][0] - dense[k][1]
+    ok = {n: a for n, a in lossy.items() if near(a, "acc") and near(a, "reward1")}
     if ok:
         return max(ok, key=lambda n: ok[n]["speedup"][0] if ok[n]["speedup"][0] == ok[n][
             "speedup"][0] else 0)
-    return max(lossy, key=lambda n: lossy[n]["acc"][0])
+    trained = {n: a for n, a in lossy.items() if near(a, "reward1")} or lossy
+    return max(trained, key=lambda n: trained[n]["acc"][0])
 
 
 def at_scale(results, cfg):

@@ -168,3 +168,19 @@ def test_sparrow_keeps_a_second_task_family_apart(tmp_path, monkeypatch):
     assert plan[0][2] == "recs/arm0-seed0.json" and plan[0][3][-1] == "--out_dir=out/sparrow-splitting-arm0-seed0"
     with pytest.raises(SystemExit):
         main(["step", "--config", "configs/splitting.py"])
+
+
+def test_sparrow_carries_to_scale_only_an_arm_that_trains_like_dense():
+    """An arm whose rollouts all fail keeps its warm start's held-out accuracy (no group to learn
+    from): within dense's spread, but not the winner; the fastest arm that also keeps dense's training
+    reward is."""
+    from bench import sparrow
+    arm = lambda acc, reward, speed: {"acc": (acc, 0.0), "reward1": (reward, 0.0), "speedup": (speed, 0.0)}
+    results = {"(a) dense": {"acc": (0.62, 0.02), "reward1": (0.40, 0.05)},
+               "(c) p5-held": arm(0.66, 0.0, 1.10), "(d) TV-held": arm(0.605, 0.30, 1.05),
+               "(e) TV-held": arm(0.61, 0.49, 1.02)}
+    assert sparrow.winner(results) == "(e) TV-held"
+    results["(d) TV-held"] = arm(0.61, 0.38, 1.05)
+    assert sparrow.winner(results) == "(d) TV-held"
+    results["(d) TV-held"], results["(e) TV-held"] = arm(0.50, 0.38, 1.05), arm(0.55, 0.40, 1.0)
+    assert sparrow.winner(results) == "(e) TV-held"  # none within both: the most accurate that trains
