@@ -106,8 +106,8 @@ def string_splitting_trace(problem, max_lines=0):
     "####" in the library's form:
     "0 03 03 00 00 00 00\n1 02 03 00 02 01 00\n...\n#### 0 1 0 4 0 3". Every line follows from
     the one above it by the first rule that applies (a rule is read off the change it made), so
-    past the first line, which reads the prompt's counts, a token needs only
-    the last 20 or so: a long chain of local steps."""
+    past the first line, which reads the prompt's counts, a token needs only the last 20 or so: a
+    long chain of local steps. max_lines > 0: at most that many lines (a prefix, no end)."""
     states = problem.meta["entry"]["metadata"]["states"]
     lines = []
     for prev, now in zip([None] + states[:-1], states):

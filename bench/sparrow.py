@@ -311,8 +311,8 @@ def run(quick, cmd, jobs=1, config=CONFIG):
     # a full run keeps each run's record in RUNS and skips the runs recorded with the same
     # arguments: the runs take hours, and an interrupted bench resumes where it stopped
     tmp, live = tempfile.mkdtemp(prefix="zeros-bench-sparrow-"), []
-    records, root = (tmp, tmp) if quick else (RUNS + tag.replace("-", "/"),
-                                              os.path.dirname(cfg.out_dir) or ".")
+    family_runs = os.path.join(RUNS, tag[1:]) if tag else RUNS  # configs/lagged.py's: RUNS itself
+    records, root = (tmp, tmp) if quick else (family_runs, os.path.dirname(cfg.out_dir) or ".")
     os.makedirs(records, exist_ok=True)
     plan = plan_runs(args, seeds, records, root, tag)
     missing = [p for p in plan if recorded(p[2], p[3]) is None]

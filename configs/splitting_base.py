@@ -1,8 +1,8 @@
 # python train.py configs/splitting_base.py
 # The first stage of configs/splitting.py's warm start: 500 SFT steps on whole exact traces of reasoning-gym's
 # string_splitting, 1 to 25 machines of each kind (warmstart.string_splitting_trace). Alone it follows the rules
-# (given the first line, 6 of 8 held-out traces come out exact) but misreads the prompt's counts on the first
-# line, so it solves none; configs/splitting.py goes on from it on the traces' first lines.
+# but misreads the prompt's counts on the first line; configs/splitting_copy.py goes on from it on the traces'
+# first lines.
 out_dir = "out/splitting_base"
 task = "reasoning_gym:string_splitting"
 rg_kwargs = {"min_initial_machines": 1, "max_initial_machines": 25}

@@ -1,8 +1,8 @@
 # python train.py configs/splitting_copy.py
 # The second stage of configs/splitting.py's warm start: from configs/splitting_base.py's SFT (whole traces, the
 # rules right, the prompt's counts misread), 250 steps on the first 2 lines of traces of 1 to 25 machines: the
-# line that reads the counts. Alone it reads them, but forgets the chain past line 2 (it solves none);
-# configs/splitting.py goes on from it on whole traces.
+# line that reads the counts. Alone it reads them, but forgets the chain past line 2; configs/splitting.py goes on
+# from it on whole traces.
 out_dir = "out/splitting_copy"
 task = "reasoning_gym:string_splitting"
 rg_kwargs = {"min_initial_machines": 1, "max_initial_machines": 25}

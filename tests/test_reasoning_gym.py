@@ -353,4 +353,4 @@ def test_the_splitting_config_is_a_long_local_chain_the_tiny_model_can_take():
     lens = [len(teacher_trace(p, 0.0, None)) for p in pool]
     assert 850 <= min(lens) and max(lens) <= cfg.max_new_tokens and 1100 <= sum(lens) / len(lens) <= 1600
     assert min(len(teacher_trace(p, 0.0, None)) for p in sft) < 600  # short chains too
-    assert max(len(p.prompt) for p in pool + held + sft) + cfg.max_new_tokens <= 512 + cfg.max_new_tokens
+    assert max(len(p.prompt) for p in pool + held + sft) <= 512  # the tiny model: 512 + max_new_tokens
