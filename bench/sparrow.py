@@ -312,7 +312,10 @@ def run(quick, cmd, jobs=1, config=CONFIG):
     # arguments: the runs take hours, and an interrupted bench resumes where it stopped
     tmp, live = tempfile.mkdtemp(prefix="zeros-bench-sparrow-"), []
     family_runs = os.path.join(RUNS, tag[1:]) if tag else RUNS  # configs/lagged.py's: RUNS itself
-    records, root = (tmp, tmp) if quick else (family_runs, os.path.dirname(cfg.out_dir) or ".")
+    root = tmp if quick else os.path.dirname(cfg.out_dir) or "."
+    records = tmp
+    if jobs and not quick:  # the runs share one warm start: build it (or find it) first
+        records = records_for(family_runs, warmstart_id(cfg, root))
     os.makedirs(records, exist_ok=True)
     plan = plan_runs(args, seeds, records, root, tag)
     missing = [p for p in plan if recorded(p[2], p[3]) is None]
@@ -320,10 +323,6 @@ def run(quick, cmd, jobs=1, config=CONFIG):
     print(f"{len(plan) - len(missing)} of {len(plan)} runs recorded in {os.path.relpath(records)}; "
           f"running {len(todo)}, {jobs} at a time (each one's log beside its record)", flush=True)
     try:
-        if todo and jobs > 1:  # the runs share one warm start: build it before they start
-            tok_dir = f"{root}/sparrow-warmstart"  # build_policy writes a tokenizer there
-            build_policy(dataclasses.replace(cfg, out_dir=tok_dir), torch.device("cpu"), print)
-            shutil.rmtree(tok_dir, ignore_errors=True)
         waiting, t0 = list(todo), time.time()
         while waiting or live:
             while waiting and len(live) < jobs:
@@ -344,7 +343,10 @@ def run(quick, cmd, jobs=1, config=CONFIG):
                 print(f"[{len(todo) - len(waiting) - len(live)}/{len(todo)}] {name}, seed "
                       f"{seed}: {(time.time() - t) / 60:.1f} min ({(time.time() - t0) / 60:.0f} "
                       f"min in all)", flush=True)
-        by_seed = {name: {seed: r for n, seed, path, a in plan if n == name
+        sets = [(records, "this run")] if quick else record_sets(family_runs)
+        # {arm: {(warm start, seed): summary}}: a replicate is a seed of one warm start
+        by_seed = {name: {(label, seed): r for d, label in sets
+                          for n, seed, path, a in plan_runs(args, seeds, d, root, tag) if n == name
                           for r in [recorded(path, a)] if r is not None} for name in arms(FIXED)}
     finally:
         for proc, *_ in live:
@@ -356,7 +358,56 @@ def run(quick, cmd, jobs=1, config=CONFIG):
     os.makedirs(art, exist_ok=True)
     plot(results, f"{art}/sparrow{tag}.png", cfg.kv_target)
     pred = predictors(by_seed, f"{art}/sparrow{tag}_predict.png")
-    return table(results, runs, pred, cfg, seeds, cmd, config)
+    reps = {label: sorted({seed for by in by_seed.values() for (lab, seed) in by if lab == label})
+            for _, label in sets}
+    return table(results, runs, pred, cfg, reps, cmd, config)
+
+
+def warmstart_id(cfg, root):
+    """The warm start's fingerprint (the first 8 hex digits of its weights' checksum), built or
+    found in the cache: the same config can build different warm starts on another CPU or thread
+    count (other float sums), and each one's runs are paired only with its own dense runs."""
+    from model import weight_checksum
+    tok_dir = f"{root}/sparrow-warmstart"  # build_policy writes a tokenizer there
+    model, _ = build_policy(dataclasses.replace(cfg, out_dir=tok_dir), torch.device("cpu"), print)
+    shutil.rmtree(tok_dir, ignore_errors=True)
+    return weight_checksum(model)[:8]
+
+
+def records_for(family_runs, ws):
+    """The folder for the records of warm start ws, made if new, its warmstart.json written: the
+    family's folder itself when that is new or its warmstart.json names ws, else
+    family_runs/ws-<ws>."""
+    os.makedirs(family_runs, exist_ok=True)
+    meta = os.path.join(family_runs, "warmstart.json")
+    if not os.path.exists(meta) and not os.listdir(family_runs):
+        with open(meta, "w") as f:
+            json.dump({"id": ws, "hardware": hardware()}, f)
+    if os.path.exists(meta):
+        with open(meta) as f:
+            if json.load(f)["id"] == ws:
+                return family_runs
+    d = os.path.join(family_runs, f"ws-{ws}")
+    os.makedirs(d, exist_ok=True)
+    if not os.path.exists(os.path.join(d, "warmstart.json")):
+        with open(os.path.join(d, "warmstart.json"), "w") as f:
+            json.dump({"id": ws, "hardware": hardware()}, f)
+    return d
+
+
+def record_sets(family_runs):
+    """[(folder, label)]: the family's records, one set per warm start: the folder itself (its
+    warmstart.json says which warm start and where it was built), then each ws-<id> folder."""
+    def label(d):
+        try:
+            with open(os.path.join(d, "warmstart.json")) as f:
+                m = json.load(f)
+            return f"warm start {m['id']} ({m['hardware']})"
+        except FileNotFoundError:
+            return f"warm start {os.path.basename(d)[3:]}"
+    subs = sorted(os.path.join(family_runs, d) for d in os.listdir(family_runs)
+                  if d.startswith("ws-")) if os.path.isdir(family_runs) else []
+    return [(family_runs, label(family_runs))] + [(d, label(d)) for d in subs]
 
 
 def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
@@ -375,14 +426,17 @@ def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
                     f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['reward0'])} -> "
                     f"{pm(a['reward1'])} | {pm(a['p5'])} | {pm(a['tv'], '.2f')} | "
                     f"{pm(a['accept'])}{spec(a)} | {a['tables'][0] or '-'} |")
-    head = [f"Hardware: {hardware()}. Command: `{cmd}`. {config}, seeds "
-            f"{', '.join(map(str, seeds))} (one warm start, sft_seed 0; the seed varies the pool, "
-            f"the held-out set and the sampling), {cfg.steps} steps of {cfg.prompts_per_step} x "
+    sets = "; ".join(f"{label}: seeds {', '.join(map(str, s))}" for label, s in seeds.items()
+                     if s)
+    head = [f"Hardware: {hardware()}. Command: `{cmd}`. {config}, sft_seed 0; {sets}. A run is "
+            f"one seed of one warm start (the seed varies the pool, the held-out set and the "
+            f"sampling; the same config builds another warm start on another CPU), paired with "
+            f"the dense run of its warm start and seed; {cfg.steps} steps of {cfg.prompts_per_step} x "
             f"{cfg.group_size} rollouts, bins of {cfg.kv_bin_pages} pages of {cfg.page_size} "
             f"tokens, first {cfg.dense_layers} layer(s) dense; p5 held at {cfg.kv_target}, the "
             f"rollout TV's 95th percentile at the arm's target. Mean ± standard deviation over "
-            f"the seeds.", "",
-            "| run | seeds | KV pages read (of dense) | rollout speedup vs dense at matched lengths "
+            f"the runs.", "",
+            "| arm | runs | KV pages read (of dense) | rollout speedup vs dense at matched lengths "
             "(of the floor's) | reward gap vs dense, step 0 | reward gap, last comparison | "
             "held-out accuracy, start -> end | training reward, first -> last fifth | p5 alpha | "
             "rollout TV, 95th pct | draft tokens accepted | table at the end (first seed) |",
