@@ -14,7 +14,7 @@ per seed, one per arm:
     (h) speculative: the sparse policy drafts, the dense one verifies; exact dense samples
     (i) (h) + DistillSparse as the draft: its adapter trains toward the dense policy and only
         drafts, so the samples stay exact; what it can move is the acceptance and the speed
-Per arm, mean and standard deviation over the seeds: the read fraction actually read, the in-loop
+Per arm, mean and standard deviation over the runs (seeds): the read fraction actually read, the in-loop
 speedup at matched lengths (the dense engine decodes the sparse rollout's own tokens, every 5
 steps) and as a fraction of (b)'s, the paired reward gap (sparse minus dense on the same prompts
 and seed) at step 0 and at the end, held-out accuracy, p5 alpha and the rollout TV tail. Then the
@@ -31,10 +31,16 @@ Simplifications:
     2. Every run starts from one warm start (sft_seed 0): the seed varies the RL run, its pool,
        held-out set and sampling. The warm start that `python train.py configs/lagged.py` cached in
        out/ is reused when present; otherwise the first run builds it (about 30 minutes on 2 cores).
+       Another CPU or thread count builds another warm start from the same config (other float
+       sums over 1,350 SFT steps), so the records are kept per warm start: the family's folder
+       holds the first one's (its warmstart.json names it), ws-<checksum>/ each other's. A run is
+       one seed of one warm start, paired with the dense run of the same warm start and seed;
+       the table's mean and sd are over those runs.
     3. The runs' policies differ (each trains on its own rollouts), so per-bin figures across runs
        are noisy; tests/test_distill.py checks DistillSparse on a fixed batch.
     4. Each run is its own process (python -m bench.sparrow RECORD ARGS...) that writes its summary
-       and arguments to bench/sparrow_runs/armI-seedS.json (its log beside it, not kept in git).
+       and arguments to bench/sparrow_runs/[ws-<id>/]armI-seedS.json (its log beside it, not
+       kept in git).
        A full bench skips the runs already recorded with the same arguments, so one that stopped
        part way resumes, and --jobs 0 tabulates the records without running anything. A change
        of code is not seen: delete the records to rerun them.
@@ -313,7 +319,7 @@ def run(quick, cmd, jobs=1, config=CONFIG):
     tmp, live = tempfile.mkdtemp(prefix="zeros-bench-sparrow-"), []
     family_runs = os.path.join(RUNS, tag[1:]) if tag else RUNS  # configs/lagged.py's: RUNS itself
     root = tmp if quick else os.path.dirname(cfg.out_dir) or "."
-    records = tmp
+    records = tmp if quick else family_runs
     if jobs and not quick:  # the runs share one warm start: build it (or find it) first
         records = records_for(family_runs, warmstart_id(cfg, root))
     os.makedirs(records, exist_ok=True)

@@ -150,6 +150,43 @@ def test_sparrow_tabulates_the_recorded_runs_and_reruns_a_changed_one(tmp_path, 
     assert rows[0][6] == "0.500 ± 0.000 -> 0.750 ± 0.000"
 
 
+def test_sparrow_pairs_each_run_with_the_dense_run_of_its_own_warm_start(tmp_path, monkeypatch):
+    """The same config builds another warm start on another CPU: its records go to their own
+    ws-<id> folder (records_for), and each run's held-out gap is taken against the dense run of
+    its own warm start and seed, never another's."""
+    from bench import sparrow
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sparrow, "RUNS", str(tmp_path))
+    monkeypatch.setattr(sparrow, "plot", lambda *a: None)
+    got, real = {}, sparrow.predictors
+
+    def predictors(runs, path=None):  # the figures, not the picture; keeps the TV's points
+        out = real(runs)
+        got["pts"] = out[1][2]
+        return out
+    monkeypatch.setattr(sparrow, "predictors", predictors)
+    assert sparrow.records_for(str(tmp_path), "aaaa") == str(tmp_path)  # a new folder: its own
+    assert sparrow.records_for(str(tmp_path), "aaaa") == str(tmp_path)
+    other = sparrow.records_for(str(tmp_path), "bbbb")
+    assert other == str(tmp_path / "ws-bbbb") and os.path.exists(os.path.join(other, "warmstart.json"))
+    args = [sparrow.CONFIG, "--plot=false", "--sft_seed=0", "--threads=1"]
+    recs = lambda acc, tv: [{"step": 0, "reward": 0.5, "kv_read": 0.5, "gen_s": 2.0, "new_tokens": 1000,
+                             "acc": acc, "tv_tail": tv}]
+    for d, dense, sparse, tv in ((str(tmp_path), 0.9, 0.8, 1.0), (other, 0.5, 0.45, 2.0)):
+        plan = sparrow.plan_runs(args, [0], d, "out")
+        for (name, seed, path, a), acc in zip(plan[:3], (dense, None, sparse)):
+            if acc is not None:  # (a) dense and (c) p5-held, seed 0
+                with open(path, "w") as f:
+                    json.dump({"args": a, "summary": sparrow.summary({"records": recs(acc, tv),
+                                                                      "acc0": 0.5})}, f)
+    lines = sparrow.run(False, "cmd", jobs=0)
+    assert "warm start aaaa" in lines[0] and "warm start bbbb" in lines[0]
+    rows = {r.split(" | ")[0][2:]: r.split(" | ") for r in lines if r.startswith("| (")}
+    assert rows["(a) dense"][1] == "2" and rows["(c) p5-held"][1] == "2"
+    # the gaps: 0.8 - 0.9 and 0.45 - 0.5 (pairing across warm starts would give 0.8 - 0.5)
+    assert sorted(round(y, 3) for _, y in got["pts"]) == [-0.1, -0.05]
+
+
 def test_sparrow_keeps_a_second_task_family_apart(tmp_path, monkeypatch):
     """`--config configs/splitting.py`: its records in their own folder, its runs' folders and plots
     tagged, its own RESULTS block; configs/lagged.py keeps its names. --config is sparrow's alone."""
@@ -162,7 +199,7 @@ def test_sparrow_keeps_a_second_task_family_apart(tmp_path, monkeypatch):
     real = sparrow.predictors
     monkeypatch.setattr(sparrow, "predictors", lambda runs, path=None: real(runs))
     lines = sparrow.run(False, "cmd", jobs=0, config="configs/splitting.py")
-    assert (tmp_path / "splitting").is_dir() and "configs/splitting.py, seeds" in lines[0]
+    assert (tmp_path / "splitting").is_dir() and "configs/splitting.py, sft_seed 0" in lines[0]
     assert "sparrow-splitting_predict.png" in "\n".join(lines)
     plan = sparrow.plan_runs(["configs/splitting.py"], [0], "recs", "out", "-splitting")
     assert plan[0][2] == "recs/arm0-seed0.json" and plan[0][3][-1] == "--out_dir=out/sparrow-splitting-arm0-seed0"
