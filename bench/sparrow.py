@@ -14,7 +14,7 @@ per seed, one per arm:
     (h) speculative: the sparse policy drafts, the dense one verifies; exact dense samples
     (i) (h) + DistillSparse as the draft: its adapter trains toward the dense policy and only
         drafts, so the samples stay exact; what it can move is the acceptance and the speed
-Per arm, mean and standard deviation over the runs (seeds): the read fraction actually read, the in-loop
+Per arm, mean and standard deviation over the runs: the read fraction actually read, the in-loop
 speedup at matched lengths (the dense engine decodes the sparse rollout's own tokens, every 5
 steps) and as a fraction of (b)'s, the paired reward gap (sparse minus dense on the same prompts
 and seed) at step 0 and at the end, held-out accuracy, p5 alpha and the rollout TV tail. Then the
@@ -360,6 +360,10 @@ def run(quick, cmd, jobs=1, config=CONFIG):
         shutil.rmtree(tmp, ignore_errors=True)
     runs = {name: list(by.values()) for name, by in by_seed.items()}
     results = {name: aggregate(r) for name, r in runs.items() if r}  # --jobs 0: maybe not all
+    dense = by_seed.get("(a) dense", {})
+    for name, a in results.items():  # held-out gap to the dense run of its warm start and seed
+        a["gap_acc"] = spread([r["acc"] - dense[k]["acc"] for k, r in by_seed[name].items()
+                               if k in dense])
     art = "out/bench_sparrow_quick" if quick else "assets"  # a smoke run leaves the repo alone
     os.makedirs(art, exist_ok=True)
     plot(results, f"{art}/sparrow{tag}.png", cfg.kv_target)
@@ -429,7 +433,8 @@ def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
             "speedup"][0] else "")
         rows.append(f"| {name} | {len(runs[name])} | {pm(a['kv_read'], '.2f')} | "
                     f"{pm(a['speedup'], '.2f')}{of} | {pm(a['gap0'])} | {pm(a['gap1'])} | "
-                    f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['reward0'])} -> "
+                    f"{pm(a['acc0'])} -> {pm(a['acc'])} | {pm(a['gap_acc'])} | "
+                    f"{pm(a['reward0'])} -> "
                     f"{pm(a['reward1'])} | {pm(a['p5'])} | {pm(a['tv'], '.2f')} | "
                     f"{pm(a['accept'])}{spec(a)} | {a['tables'][0] or '-'} |")
     sets = "; ".join(f"{label}: seeds {', '.join(map(str, s))}" for label, s in seeds.items()
@@ -437,18 +442,19 @@ def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
     head = [f"Hardware: {hardware()}. Command: `{cmd}`. {config}, sft_seed 0; {sets}. A run is "
             f"one seed of one warm start (the seed varies the pool, the held-out set and the "
             f"sampling; the same config builds another warm start on another CPU), paired with "
-            f"the dense run of its warm start and seed; {cfg.steps} steps of {cfg.prompts_per_step} x "
-            f"{cfg.group_size} rollouts, bins of {cfg.kv_bin_pages} pages of {cfg.page_size} "
-            f"tokens, first {cfg.dense_layers} layer(s) dense; p5 held at {cfg.kv_target}, the "
+            f"the dense run of its warm start and seed; {cfg.steps} steps of "
+            f"{cfg.prompts_per_step} x {cfg.group_size} rollouts, bins of {cfg.kv_bin_pages} "
+            f"pages of {cfg.page_size} tokens, first {cfg.dense_layers} layer(s) dense; p5 held at {cfg.kv_target}, the "
             f"rollout TV's 95th percentile at the arm's target. Mean ± standard deviation over "
             f"the runs.", "",
             "| arm | runs | KV pages read (of dense) | rollout speedup vs dense at matched lengths "
             "(of the floor's) | reward gap vs dense, step 0 | reward gap, last comparison | "
-            "held-out accuracy, start -> end | training reward, first -> last fifth | p5 alpha | "
-            "rollout TV, 95th pct | draft tokens accepted | table at the end (first seed) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "held-out accuracy, start -> end | held-out gap vs dense (paired) | training reward, "
+            "first -> last fifth | p5 alpha | rollout TV, 95th pct | draft tokens accepted | "
+            "table at the end (first seed) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     corr = ["", "Which statistic predicts the held-out gap (final accuracy minus the dense run's of "
-            "the same seed), over the lossy arms x seeds; Spearman's rho "
+            "the same warm start and seed), over the lossy runs; Spearman's rho "
             f"(assets/sparrow{family(config)}_predict.png):", "",
             "| predictor | rho | runs |", "|---|---|---|"]
     corr += [f"| {label} | {rho:+.2f} | {len(xy)} |" for label, rho, xy in pred]

@@ -183,6 +183,7 @@ def test_sparrow_pairs_each_run_with_the_dense_run_of_its_own_warm_start(tmp_pat
     assert "warm start aaaa" in lines[0] and "warm start bbbb" in lines[0]
     rows = {r.split(" | ")[0][2:]: r.split(" | ") for r in lines if r.startswith("| (")}
     assert rows["(a) dense"][1] == "2" and rows["(c) p5-held"][1] == "2"
+    assert rows["(c) p5-held"][7] == "-0.075 ± 0.035"  # the paired held-out gap's mean and sd
     # the gaps: 0.8 - 0.9 and 0.45 - 0.5 (pairing across warm starts would give 0.8 - 0.5)
     assert sorted(round(y, 3) for _, y in got["pts"]) == [-0.1, -0.05]
 
