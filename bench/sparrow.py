@@ -444,7 +444,8 @@ def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
             f"sampling; the same config builds another warm start on another CPU), paired with "
             f"the dense run of its warm start and seed; {cfg.steps} steps of "
             f"{cfg.prompts_per_step} x {cfg.group_size} rollouts, bins of {cfg.kv_bin_pages} "
-            f"pages of {cfg.page_size} tokens, first {cfg.dense_layers} layer(s) dense; p5 held at {cfg.kv_target}, the "
+            f"pages of {cfg.page_size} tokens, first {cfg.dense_layers} layer(s) dense; p5 held "
+            f"at {cfg.kv_target}, the "
             f"rollout TV's 95th percentile at the arm's target. Mean ± standard deviation over "
             f"the runs.", "",
             "| arm | runs | KV pages read (of dense) | rollout speedup vs dense at matched lengths "
@@ -453,7 +454,8 @@ def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
             "first -> last fifth | p5 alpha | rollout TV, 95th pct | draft tokens accepted | "
             "table at the end (first seed) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    corr = ["", "Which statistic predicts the held-out gap (final accuracy minus the dense run's of "
+    corr = ["", "Which statistic predicts the held-out gap (final accuracy minus the dense run's "
+            "of "
             "the same warm start and seed), over the lossy runs; Spearman's rho "
             f"(assets/sparrow{family(config)}_predict.png):", "",
             "| predictor | rho | runs |", "|---|---|---|"]
