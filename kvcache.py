@@ -54,9 +54,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots,
+from zeros_kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots,
                                          merge_attention, prefix_index, shared_prefix_decode)
-from kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu
+from zeros_kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu
 from moe import record_routes
 from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,
                       select_pages)

@@ -18,7 +18,7 @@ Where the attention happens:
     is passed. The rollout engine owns the cache object, so it decides there whether a decode step
     reads every KV page or a sparse subset. It also generates inside `model.packed()`: on a CPU the
     weight matmuls (q|k|v and gate|up stacked, o, down, lm_head) run on packed copies: for a step of
-    at most 8 rows, kernels/linear_cpu.py's C++ loop, which streams each weight once (oneDNN's
+    at most 8 rows, zeros_kernels/linear_cpu.py's C++ loop, which streams each weight once (oneDNN's
     kernel is built for larger batches); above, oneDNN's packed kernel, about 1.6x MKL's F.linear at
     decode sizes. Their sums are ordered differently from F.linear's: last bits.
 
@@ -63,7 +63,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.linear_cpu import SMALL_ROWS, linear_cpu, linear_cpu_pack
+from zeros_kernels.linear_cpu import SMALL_ROWS, linear_cpu, linear_cpu_pack
 from moe import MoE
 
 try:  # optional: packed (no padding) training on a CUDA machine
@@ -161,7 +161,7 @@ def apply_rope(x, cos, sin):
 
 class Packed:
     """One group of Linears' weights stacked (Transformer.packed), as one matmul: in
-    kernels/linear_cpu's layout for a batch of at most SMALL_ROWS rows (a small decode step), else
+    zeros_kernels/linear_cpu's layout for a batch of at most SMALL_ROWS rows (a small decode step), else
     in oneDNN's. Each layout is made on its first use, so a run whose batches are all large (or all
     small) packs its weights once, not twice."""
 
@@ -319,7 +319,7 @@ class Transformer(nn.Module):
     @contextlib.contextmanager
     def packed(self):
         """On a CPU, each module with PACKS gets `packs`: its Linears' weights stacked per group,
-        packed (`Packed`: for oneDNN or kernels/linear_cpu, each on first use; bias-free fp32
+        packed (`Packed`: for oneDNN or zeros_kernels/linear_cpu, each on first use; bias-free fp32
         nn.Linears only: a LoRA, fp8 or N:M layer keeps its own forward). Made on entry, dropped on
         exit (updated weights read fresh); no_grad only."""
         on = (self.lm_head.weight.device.type == "cpu" and torch.backends.mkldnn.is_available()

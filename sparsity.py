@@ -18,8 +18,8 @@ How a decode step picks the KV pages it reads, per sequence and per KV head:
        `table_budget` and calibrate.Schedule all fit.
     4. `select_pages` keeps the first `keep_first` pages (attention sinks), the last `keep_recent`
        pages and the partial last page, then fills the rest of the budget with the best-scored
-       pages. Its output is what `kernels.block_sparse_decode.decode_attention` takes: LOGICAL page
-       ids, padded, and a count. On a CPU, `kernels.block_sparse_decode.select_pages_cpu` does
+       pages. Its output is what `zeros_kernels.block_sparse_decode.decode_attention` takes: LOGICAL page
+       ids, padded, and a count. On a CPU, `zeros_kernels.block_sparse_decode.select_pages_cpu` does
        steps 2 to 4 in one C++ call, the metadata read in place (the same pages, ties aside).
 
 Simplifications:

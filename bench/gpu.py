@@ -60,7 +60,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa:
 import reward  # noqa: E402
 import train  # noqa: E402
 from bench.common import _Ids, best_of, hardware  # noqa: E402
-from kernels.block_sparse_decode import (  # noqa: E402
+from zeros_kernels.block_sparse_decode import (  # noqa: E402
     _bytes_read, _make_problem, block_sparse_decode, block_sparse_decode_ref)
 from model import ModelConfig, Transformer  # noqa: E402
 from rollout import Engine  # noqa: E402

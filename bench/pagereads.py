@@ -1,6 +1,6 @@
 """
 bench/pagereads.py: stage 2 on the CPU, the memory system's share of the sparse path's cost. The
-sparse decode kernel alone (kernels/sparse_decode_cpu.cpp, no engine and no selection) reading a
+sparse decode kernel alone (zeros_kernels/sparse_decode_cpu.cpp, no engine and no selection) reading a
 fraction r of each row's KV pages, against dense decode's kernel reading all of them, from memory
 that is not in the caches. Two selections at each r: pages drawn at random (sorted, as a selection
 is), and the same number of pages as one contiguous run (the best layout any selection could
@@ -25,7 +25,7 @@ import time
 import torch
 
 from bench.common import hardware
-from kernels.sparse_decode_cpu import attend_runs_cpu, cpu_kernel, sparse_decode_cpu
+from zeros_kernels.sparse_decode_cpu import attend_runs_cpu, cpu_kernel, sparse_decode_cpu
 
 FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 RUN = 4  # the middle selection: runs of this many adjacent pages, placed at random

@@ -44,7 +44,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from bench.common import TABLE_HEAD, _Ids, bench_model, best_of, hardware, row
 from bench.cost import rollout_cost_vs_measured
-from kernels.block_sparse_decode import (block_sparse_decode, block_sparse_decode_ref,
+from zeros_kernels.block_sparse_decode import (block_sparse_decode, block_sparse_decode_ref,
                                          decode_attention, dense_selection)
 from rollout import Engine
 from sparsity import centroid_scores, fraction_budget, pages_to_read, select_pages

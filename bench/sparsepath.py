@@ -37,7 +37,7 @@ Simplifications:
 import torch
 
 from bench.common import _Ids, hardware
-from kernels.sparse_decode_cpu import cpu_kernel
+from zeros_kernels.sparse_decode_cpu import cpu_kernel
 from model import ModelConfig, Transformer
 from rollout import Engine
 from sparsity import fraction_budget
@@ -85,7 +85,7 @@ def measure(m, ctx, prompts, groups, new, rounds):
 def run(quick, cmd):
     """-> the table, head included."""
     hw, m = hardware(), model()
-    path = ("C++ kernel (kernels/sparse_decode_cpu.cpp)" if cpu_kernel() is not None
+    path = ("C++ kernel (zeros_kernels/sparse_decode_cpu.cpp)" if cpu_kernel() is not None
             else "PyTorch gather (the C++ kernel did not build)")
     # (name, prompts, rows per prompt): each row's context its own, as in a long generation; or
     # the loop's shape, 8 prompts x 8 rows sharing a prompt that dense decode reads once per group

@@ -18,14 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.block_sparse_decode as bsd
-import kernels.sparse_decode_cpu as cpu_path
+import zeros_kernels.block_sparse_decode as bsd
+import zeros_kernels.sparse_decode_cpu as cpu_path
 
 if bsd._INTERPRET != (os.environ["TRITON_INTERPRET"] == "1"):
     # imported earlier under the other mode
     bsd = importlib.reload(bsd)
 
-from kernels.block_sparse_decode import (block_sparse_decode, block_sparse_decode_ref,
+from zeros_kernels.block_sparse_decode import (block_sparse_decode, block_sparse_decode_ref,
                                          decode_attention, dense_selection, default_num_splits)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -264,7 +264,7 @@ def test_kernels_compile_for_hopper():
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        import kernels.block_sparse_decode as bsd
+        import zeros_kernels.block_sparse_decode as bsd
 
         def compile(fn, pointers, constexprs, **options):
             sig = {}
@@ -302,7 +302,7 @@ def test_kernel_on_gpu():
     _run_without_interpreter("""
         import torch
         import tests.test_kernel as t
-        from kernels.block_sparse_decode import block_sparse_decode, block_sparse_decode_ref
+        from zeros_kernels.block_sparse_decode import block_sparse_decode, block_sparse_decode_ref
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for G, D, page, splits in [(1, 64, 16, None), (2, 128, 16, 1), (4, 128, 64, 3),
                                        (8, 64, 16, 2)]:
@@ -498,7 +498,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
     """A build killed part way leaves torch's lock behind; without this every later load hangs."""
     import time
     import warnings
-    from kernels.cpu_ext import clear_stale_lock
+    from zeros_kernels.cpu_ext import clear_stale_lock
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "zeros_test_ext" / "lock"
     lock.parent.mkdir()

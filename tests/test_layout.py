@@ -16,9 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # stages; the leaves.
 ORDER = ["train", "heldout", "sparse_rollout", "calibrate", "roi", "report", "warmstart", "parallel",
          "checkpoint", "distill", "update", "copies", "sync", "rollout", "speculative", "kvcache",
-         "kernels.block_sparse_decode", "kernels.sparse_decode_cpu", "sparsity",
+         "zeros_kernels.block_sparse_decode", "zeros_kernels.sparse_decode_cpu", "sparsity",
          "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers",
-         "model", "moe", "kernels.linear_cpu", "kernels.cpu_ext", "config"]
+         "model", "moe", "zeros_kernels.linear_cpu", "zeros_kernels.cpu_ext", "config"]
 CORE_MAX_LINES = 650
 FUNCTION_MAX_LINES = 80
 # the Triton kernel: one body, as the compiler wants it
@@ -83,7 +83,7 @@ def test_nothing_imports_train_or_the_bench():
         assert not [m for m in imports(name) if m == "train" or m.split(".")[0] == "bench"], name
 
 
-@pytest.mark.parametrize("name", [m for m in ORDER if not m.startswith("kernels.")])
+@pytest.mark.parametrize("name", [m for m in ORDER if not m.startswith("zeros_kernels.")])
 def test_core_files_are_short(name):
     n = len(open(module_path(name)).read().splitlines())
     assert n <= CORE_MAX_LINES, f"{name}.py has {n} lines: split it along the stages"

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from transformers import (Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           AutoModelForCausalLM)
 
-from kernels.cpu_ext import load_cpu_ext
-from kernels.linear_cpu import linear_cpu, linear_cpu_pack
+from zeros_kernels.cpu_ext import load_cpu_ext
+from zeros_kernels.linear_cpu import linear_cpu, linear_cpu_pack
 from model import Transformer, ModelConfig
 
 COMMON = dict(vocab_size=61, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -97,7 +97,7 @@ def test_unsupported_model_type_is_named():
                                         ("moe", (3, 2))])
 def test_packed_weights_match_the_modules(kind, shape, monkeypatch):
     """Inside Transformer.packed() (the engine's CPU path: q|k|v and gate|up as one matmul each, on
-    oneDNN, or kernels/linear_cpu at 8 rows or fewer) the forward equals the plain one; the copies
+    oneDNN, or zeros_kernels/linear_cpu at 8 rows or fewer) the forward equals the plain one; the copies
     go on exit, and a weight changed between two calls is read fresh. Groups with a LoRA layer keep
     the modules' forwards, the rest is packed."""
     import model as model_module
@@ -138,7 +138,7 @@ def test_packed_weights_match_the_modules(kind, shape, monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_linear_cpu_equals_f_linear(rows):
-    """kernels/linear_cpu (a small decode batch's matmuls) equals F.linear: N not a multiple of its
+    """zeros_kernels/linear_cpu (a small decode batch's matmuls) equals F.linear: N not a multiple of its
     32-column blocks (zero padding cut off), K odd, x a strided view, leading dims kept."""
     if load_cpu_ext("linear_cpu") is None:
         pytest.skip("no C++ kernel here")

@@ -243,7 +243,7 @@ def test_engine_feeds_the_triton_kernel_what_it_expects(monkeypatch):
     """The same generation through the Triton kernel (its interpreter on a CPU): the index tensors the engine
     builds (narrowed page table, int32 selection, broadcast counts) meet the kernel's contract."""
     import functools
-    import kernels.block_sparse_decode as bsd
+    import zeros_kernels.block_sparse_decode as bsd
     m, tok = tiny_model(), CharTok()
     kw = dict(max_new_tokens=4, temperature=0.0, page_size=4, sparse=fraction_budget(0.5), dense_layers=1)
     want = Engine(m, tok, **kw).generate(RAGGED, 2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.block_sparse_decode import decode_attention
+from zeros_kernels.block_sparse_decode import decode_attention
 from sparsity import (centroid_scores, dense_budget, fixed_budget, fraction_budget, kept_count,
                       oracle_scores, page_metadata, pages_to_read, quest_scores, select_pages,
                       table_budget)
@@ -164,7 +164,7 @@ def test_full_budget_selection_through_decode_attention_equals_sdpa():
 def test_cpu_selection_equals_select_pages(scorer):
     """select_pages_cpu (the C++ kernel: scores read in place through the page tables) picks what
     select_pages picks from the gathered scores, at budgets from the kept pages to everything."""
-    from kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu
+    from zeros_kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu
     if cpu_kernel() is None:
         pytest.skip("the C++ CPU kernel did not build here")
     gen = torch.Generator().manual_seed(2)
@@ -218,7 +218,7 @@ def test_engine_cpu_fast_path_equals_the_reference_path(monkeypatch, every):
     """A sparse engine on the CPU fast path (C++ selection and attention, or the gather path
     without a compiler) generates what it generates on the reference path (scores gathered per
     row, select_pages, block_sparse_decode_ref): the same tokens, log-probs within 1e-5."""
-    import kernels.block_sparse_decode as bsd
+    import zeros_kernels.block_sparse_decode as bsd
     import kvcache
     import rollout
     m = _small_model()
@@ -244,7 +244,7 @@ def test_rescoring_every_k_steps_scores_at_steps_1_k_plus_1_and_reuses_between(m
     next scoring."""
     import kvcache
     import rollout
-    from kernels.sparse_decode_cpu import UNSCORED
+    from zeros_kernels.sparse_decode_cpu import UNSCORED
     m = _small_model()
     calls = []
     real = kvcache.select_pages_cpu

@@ -1,4 +1,4 @@
-// The weight matmuls of a small decode batch on a CPU (kernels/linear_cpu.py builds and calls it).
+// The weight matmuls of a small decode batch on a CPU (zeros_kernels/linear_cpu.py builds and calls it).
 //
 // At decode, a forward multiplies a few rows (one token per live sequence) by every weight of the
 // model, so the time goes into streaming the weights. oneDNN's packed kernel is built for larger

@@ -47,7 +47,7 @@ Simplifications and rules:
    (`shared_prefix_decode`: the rows' queries side by side, merged with each row's own part by
    log-sum-exp, `merge_attention`).
 7. Sparse decode on a CPU (the engine passes finite=True; a head-major cache) takes
-   `sparse_decode_cpu` (kernels/sparse_decode_cpu.py): a C++ kernel (sparse_decode_cpu.cpp, built
+   `sparse_decode_cpu` (zeros_kernels/sparse_decode_cpu.py): a C++ kernel (sparse_decode_cpu.cpp, built
    on first use with torch.utils.cpp_extension and cached; ZEROS_CPU_KERNEL=0 skips it) that reads
    the selected pages in place, since PyTorch can only gather them first, and the gather costs
    more than the attention. Its `select_pages_cpu` also does the page selection (centroid or Quest
@@ -55,7 +55,7 @@ Simplifications and rules:
    C++ compiler, a PyTorch path gathers whole pages a chunk of rows at a time and masks them in
    SDPA.
 
-Run the benchmark with `python -m kernels.block_sparse_decode` (CUDA: kernel vs SDPA vs
+Run the benchmark with `python -m zeros_kernels.block_sparse_decode` (CUDA: kernel vs SDPA vs
 FlexAttention; CPU: the PyTorch reference against the CPU fast path). Tests:
 `python -m pytest tests/test_kernel.py`, which runs the kernel through Triton's interpreter
 (TRITON_INTERPRET=1) when there is no GPU.
@@ -70,7 +70,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.sparse_decode_cpu import attend_runs_cpu, page_rows, sparse_decode_cpu
+from zeros_kernels.sparse_decode_cpu import attend_runs_cpu, page_rows, sparse_decode_cpu
 
 # The interpreter runs the kernel on the CPU with numpy, and its bf16 arithmetic is not faithful,
 # so under it every load is cast to fp32 at once. Triton reads this flag when a kernel is decorated.
@@ -346,7 +346,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, sel=None, n_sel=
 
 
 # -----------------------------------------------------------------------------
-# PyTorch reference, and the CPU dense paths beside it (sparse: kernels/sparse_decode_cpu.py)
+# PyTorch reference, and the CPU dense paths beside it (sparse: zeros_kernels/sparse_decode_cpu.py)
 
 
 def cache_rows(cache):

@@ -1,5 +1,5 @@
 """
-kernels/linear_cpu.py: the weight matmuls of a small decode batch (at most 8 rows) on a CPU, beside
+zeros_kernels/linear_cpu.py: the weight matmuls of a small decode batch (at most 8 rows) on a CPU, beside
 their reference, F.linear.
 
     w = linear_cpu_pack(weight)        # (N, K) fp32 -> the kernel's layout, or None (no kernel)
@@ -20,7 +20,7 @@ Simplifications:
 
 import torch
 
-from kernels.cpu_ext import load_cpu_ext
+from zeros_kernels.cpu_ext import load_cpu_ext
 
 SMALL_ROWS = 8  # the kernel's largest batch: 8 rows x 32 columns of fp32 fill 16 vector registers
 

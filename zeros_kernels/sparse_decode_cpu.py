@@ -1,5 +1,5 @@
 """
-kernels/sparse_decode_cpu.py: sparse decode on a CPU, beside block_sparse_decode.py's PyTorch
+zeros_kernels/sparse_decode_cpu.py: sparse decode on a CPU, beside block_sparse_decode.py's PyTorch
 reference (same contract: q (B, H_q, D), a paged cache, page tables, the selected logical pages).
 
     ext = cpu_kernel()               # the C++ kernel of sparse_decode_cpu.cpp, or None
@@ -8,7 +8,7 @@ reference (same contract: q (B, H_q, D), a paged cache, page tables, the selecte
     out, lse = attend_runs_cpu(q4, k, v, lens)   # dense decode over contiguous runs (lanes)
 
 What it does:
-    1. cpu_kernel builds sparse_decode_cpu.cpp on first use (kernels/cpu_ext.py: about a minute;
+    1. cpu_kernel builds sparse_decode_cpu.cpp on first use (zeros_kernels/cpu_ext.py: about a minute;
        torch caches the build, named by the CPU's instruction set). ZEROS_CPU_KERNEL=0, or no C++
        compiler or ninja: None, and a warning.
     2. select_pages_cpu: sparsity.select_pages over centroid or Quest scores, the page metadata
@@ -30,7 +30,7 @@ Simplifications:
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ext import load_cpu_ext
+from zeros_kernels.cpu_ext import load_cpu_ext
 
 
 # Without the C++ kernel, the CPU fast path gathers the selected pages of a chunk of rows at a
@@ -45,7 +45,7 @@ UNSCORED = 3.0e38
 
 
 def cpu_kernel():
-    """The C++ kernel of sparse_decode_cpu.cpp, built on first use (kernels/cpu_ext.py), or None."""
+    """The C++ kernel of sparse_decode_cpu.cpp, built on first use (zeros_kernels/cpu_ext.py), or None."""
     return load_cpu_ext("sparse_decode_cpu")
 
 

@@ -1,4 +1,4 @@
-// The CPU kernel of block-sparse decode attention (kernels/block_sparse_decode.py,
+// The CPU kernel of block-sparse decode attention (zeros_kernels/block_sparse_decode.py,
 // `sparse_decode_cpu`, which builds it on first use with torch.utils.cpp_extension).
 //
 // PyTorch on a CPU can read selected pages only by gathering them into a new tensor first, and on

@@ -1,8 +1,8 @@
 """
-kernels/cpu_ext.py: how the C++ CPU kernels of kernels/ are built (torch.utils.cpp_extension, on
+zeros_kernels/cpu_ext.py: how the C++ CPU kernels of zeros_kernels/ are built (torch.utils.cpp_extension, on
 first use, cached by torch), and how to do without them.
 
-    ext = load_cpu_ext("sparse_decode_cpu")   # kernels/sparse_decode_cpu.cpp, built, or None
+    ext = load_cpu_ext("sparse_decode_cpu")   # zeros_kernels/sparse_decode_cpu.cpp, built, or None
 
 Each kernel is a fast path with a PyTorch reference beside it (tests check that the two agree), so
 a machine without a C++ compiler or ninja runs the reference and says so once, in a warning.
@@ -39,7 +39,7 @@ def clear_stale_lock(name, minutes=10):
 
 @functools.lru_cache(maxsize=None)
 def load_cpu_ext(name):
-    """kernels/<name>.cpp built as a torch extension (about a minute the first time; torch caches
+    """zeros_kernels/<name>.cpp built as a torch extension (about a minute the first time; torch caches
     the build), or None: ZEROS_CPU_KERNEL=0, or no C++ compiler or ninja (a warning says why)."""
     if os.environ.get("ZEROS_CPU_KERNEL", "1") == "0":
         return None
