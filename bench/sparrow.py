@@ -320,8 +320,9 @@ def run(quick, cmd, jobs=1, config=CONFIG):
     family_runs = os.path.join(RUNS, tag[1:]) if tag else RUNS  # configs/lagged.py's: RUNS itself
     root = tmp if quick else os.path.dirname(cfg.out_dir) or "."
     records = tmp if quick else family_runs
-    if jobs and not quick:  # the runs share one warm start: build it (or find it) first
-        records = records_for(family_runs, warmstart_id(cfg, root))
+    if jobs and (jobs > 1 or not quick):  # the runs share one warm start: build it first
+        ws = warmstart_id(cfg, root)
+        records = records if quick else records_for(family_runs, ws)
     os.makedirs(records, exist_ok=True)
     plan = plan_runs(args, seeds, records, root, tag)
     missing = [p for p in plan if recorded(p[2], p[3]) is None]
