@@ -389,11 +389,13 @@ def records_for(family_runs, ws):
     """The folder for the records of warm start ws, made if new, its warmstart.json written: the
     family's folder itself when that is new or its warmstart.json names ws, else
     family_runs/ws-<ws>."""
+    def claim(d):  # d's records are ws's from now on
+        with open(os.path.join(d, "warmstart.json"), "w") as f:
+            json.dump({"id": ws, "hardware": hardware()}, f)
     os.makedirs(family_runs, exist_ok=True)
     meta = os.path.join(family_runs, "warmstart.json")
-    if not os.path.exists(meta) and not os.listdir(family_runs):
-        with open(meta, "w") as f:
-            json.dump({"id": ws, "hardware": hardware()}, f)
+    if not os.listdir(family_runs):
+        claim(family_runs)
     if os.path.exists(meta):
         with open(meta) as f:
             if json.load(f)["id"] == ws:
@@ -401,8 +403,7 @@ def records_for(family_runs, ws):
     d = os.path.join(family_runs, f"ws-{ws}")
     os.makedirs(d, exist_ok=True)
     if not os.path.exists(os.path.join(d, "warmstart.json")):
-        with open(os.path.join(d, "warmstart.json"), "w") as f:
-            json.dump({"id": ws, "hardware": hardware()}, f)
+        claim(d)
     return d
 
 
@@ -456,8 +457,7 @@ def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
             "table at the end (first seed) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     corr = ["", "Which statistic predicts the held-out gap (final accuracy minus the dense run's "
-            "of "
-            "the same warm start and seed), over the lossy runs; Spearman's rho "
+            "of the same warm start and seed), over the lossy runs; Spearman's rho "
             f"(assets/sparrow{family(config)}_predict.png):", "",
             "| predictor | rho | runs |", "|---|---|---|"]
     corr += [f"| {label} | {rho:+.2f} | {len(xy)} |" for label, rho, xy in pred]
