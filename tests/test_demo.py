@@ -61,22 +61,59 @@ def test_the_warm_start_is_cached_by_its_settings_not_by_the_output_folder(tmp_p
     assert cache_path(config.parse_config(a + ["--sft_steps=4"])) != ca  # an SFT setting: a new one
 
 
-def test_the_equal_rollout_baselines_train_the_warm_start(tmp_path):
-    # bench/demo.py's two baselines, at toy size: RFT trains on the policy's own correct samples,
-    # more SFT on teacher traces up to a token budget
+def test_rft_is_iterated_at_the_rl_runs_verifier_calls(tmp_path, monkeypatch):
+    # bench/demo.py's RFT: one round per RL step, each as many verifier calls as that step made,
+    # sampled from the policy that the previous round's step left (every sample scored right here,
+    # so every round trains); the SFT arms train on teacher traces up to a token budget
     from bench import demo
+    from model import weight_checksum
     argv = TINY_RUN + [f"--out_dir={tmp_path / 'run'}", "--save_every=100"]
     cfg, run = demo.fresh_run(argv)
     before = [p.detach().clone() for p in run.model.parameters()]
-    kept = demo.rft(cfg, run, rollouts=64, steps=2, seed=0)
-    moved = any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
-    assert 0 <= kept <= 64 and moved == (kept > 0)
+    eng, seen = run.sparse.engine, []
+    generate, score = eng.generate, run.cascade.score_batch
+
+    def sample(*a, **k):  # what each round samples from; every row ends on EOS
+        seen.append(weight_checksum(run.sparse.rollout_model))
+        ro = generate(*a, **k)
+        ro.finish = ["eos"] * len(ro.finish)
+        return ro
+
+    def all_right(*a, **k):
+        res = score(*a, **k)
+        res.rewards = [1.0] * len(res.rewards)
+        return res
+    monkeypatch.setattr(eng, "generate", sample)
+    monkeypatch.setattr(run.cascade, "score_batch", all_right)
+    kept, made = demo.rft(cfg, run, [16, 8, 8], seed=0)
+    assert made == 32 and kept == 32
+    assert len(set(seen)) == 3  # each round samples the policy its last step left
     cfg, run = demo.fresh_run(argv)  # the warm start again, from its cache
     assert all(torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
     assert demo.more_sft(cfg, run, tokens=300, seed=0) >= 300
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters()))
-    assert demo.beyond(cfg, {1: 0.5, 2: 1.0, 3: 0.0, 4: 1.0}) == 0.5  # mean above (1, 2)
+    assert demo.beyond(2, {1: 0.5, 2: 1.0, 3: 0.0, 4: 1.0}) == 0.5  # mean above 2
 
+
+def test_the_supervised_ceiling_trains_on_every_held_out_bin_and_no_held_out_prompt(tmp_path,
+                                                                                   monkeypatch):
+    from bench import demo
+    argv = TINY_RUN + [f"--out_dir={tmp_path / 'run'}", "--sft_difficulty=(1,1)",
+                       "--eval_difficulty=(1,3)", "--n_eval=40"]
+    cfg, run = demo.fresh_run(argv)
+    rows = []
+    monkeypatch.setattr(demo, "sft_steps", lambda cfg, run, batches: rows.extend(
+        run.tok.decode(p) for b in batches for p, _ in b))
+    held = {p.prompt for p in run.eval_p}
+    assert demo.more_sft(cfg, run, tokens=3000, seed=0) >= 3000
+    assert rows and not held & set(rows)
+    assert demo.span(demo.fresh_problems(cfg, 200, 0, every_bin=False)) == (1, 1)
+    assert demo.span(demo.fresh_problems(cfg, 200, 0, every_bin=True)) == (1, 3)
+    every = []
+    monkeypatch.setattr(demo, "fresh_problems", lambda cfg, n, seed, every_bin: every.append(
+        every_bin) or [])
+    demo.more_sft(cfg, run, tokens=10, seed=0, every_bin=True)
+    assert every == [True]
 
 
 def test_the_examples_are_problems_the_warm_start_gets_wrong():
