@@ -107,8 +107,8 @@ def rft(cfg, run, calls, seed):
 
 
 def fresh_problems(cfg, n, seed, every_bin):
-    """n teacher problems the warm start never saw: of the SFT range, or (every_bin) of the
-    held-out set's whole range."""
+    """n teacher problems drawn from a seed of their own (not the SFT data's, the pool's or the
+    held-out set's): of the SFT range, or (every_bin) of the held-out set's whole range."""
     if cfg.task.startswith(RG_PREFIX):
         over = cfg.eval_rg_kwargs if every_bin else cfg.sft_rg_kwargs
         return make_reasoning_gym(cfg.task[len(RG_PREFIX):], n, seed + 3 * RG_SPLIT,
