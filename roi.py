@@ -40,10 +40,12 @@ Simplifications:
        (tasks.load_problems' held-out set, the RL loop's).
     4. Masked dense: the zeros are stored, so the masked model is no faster without a 2:4 kernel.
     5. compare: one small model (configs/sharpen.py's warm start, with a clean teacher: sft_noise
-       0), per seed (--seeds: each seed its own warm start, data and held-out problems; the table
-       gives mean and sd over the seeds whose dense model learned the task, and names the rest). Perplexity is exp(mean NLL of the reference completion tokens given the
-       prompt) on the held-out problems; accuracy is greedy, scored by reward.score. SR-STE and
-       RoI get the same steps, batch and loss (KL to the dense model by default).
+       0, and --sft_steps, 1,200 by default), per seed (--seeds: each seed its own warm start, data
+       and held-out problems; the table gives mean and sd over the seeds whose dense model learned
+       the task, and names the rest). Perplexity is exp(mean NLL of the reference completion
+       tokens given the prompt) on the held-out problems; accuracy is greedy, scored by
+       reward.score. SR-STE and RoI get the same steps, batch and loss (KL to the dense model by
+       default).
 
 Tests: `python -m pytest -q tests/test_nm.py tests/test_newcomer_tasks.py`.
 """
@@ -422,7 +424,8 @@ def compare_table(rows, cmd):
 def compare_seed(args, seed, log):
     """One seed's rows: dense, and each (n:m, method, steps)."""
     cfg = parse_config(["configs/sharpen.py", f"--out_dir={args.out_dir}", "--sft_noise=0.0",
-                        f"--seed={seed}", f"--n_eval={args.n_eval}"])
+                        f"--seed={seed}", f"--n_eval={args.n_eval}",
+                        f"--sft_steps={args.sft_steps}"])
     dense, tok = build_policy(cfg, "cpu", log)
     _, problems = load_problems(cfg)
     held, seen = trace_batches(tok, problems, 64), {p.prompt for p in problems}
@@ -630,6 +633,8 @@ def build_parser():
     c.add_argument("--n_eval", type=int, default=500)
     c.add_argument("--seeds", type=parse_ints, default=[0, 1, 2],
                    help="comma-separated: each seed its own warm start, data and held-out set")
+    c.add_argument("--sft_steps", type=int, default=1200,  # 600 left seed 2 stuck (seed 3: both)
+                   help="each seed's warm start's SFT steps")
     c.add_argument("--threads", type=int, default=1)
     c.add_argument("--write-results", dest="write_results", action="store_true",
                    help="rewrite bench/RESULTS.md's roi block")
