@@ -4,8 +4,7 @@ model; and the comparison of the mask methods on a small model that the project 
 
     python roi.py learn MODEL_DIR --nm=2:4 --steps=300 --out=OUT_DIR  # RoI, distilled from dense
     python roi.py apply MODEL_DIR --nm=2:4 --scores=wanda --out=OUT_DIR  # one-shot mask
-    python roi.py compare --out_dir=out/roi --threads=1 --write-results  # RESULTS.md: 3 seeds,
-                                                  # 30 and 150 steps (--seeds, --steps)
+    python roi.py compare --write-results  # RESULTS.md: 3 seeds, 30, 150 steps (--seeds, --steps)
 
 MODEL_DIR is a Hugging Face folder (model.Transformer.from_pretrained) with its tokenizer; OUT_DIR
 gets the masked model (save_pretrained: pruned weights stored as zeros), the tokenizer, nm.json and
@@ -39,13 +38,10 @@ Simplifications:
        Wanda's 128 calibration problems from seed + 40,000, both without the held-out prompts
        (tasks.load_problems' held-out set, the RL loop's).
     4. Masked dense: the zeros are stored, so the masked model is no faster without a 2:4 kernel.
-    5. compare: one small model (configs/sharpen.py's warm start, with a clean teacher: sft_noise
-       0, and --sft_steps, 1,200 by default), per seed (--seeds: each seed its own warm start, data
-       and held-out problems; the table gives mean and sd over the seeds whose dense model learned
-       the task, and names the rest). Perplexity is exp(mean NLL of the reference completion
-       tokens given the prompt) on the held-out problems; accuracy is greedy, scored by
-       reward.score. SR-STE and RoI get the same steps, batch and loss (KL to the dense model by
-       default).
+    5. compare: configs/sharpen.py's warm start, a clean teacher (sft_noise 0), --sft_steps 1,200
+       (600 left seed 2's stuck), one per seed with its own data and held-out set; mean and sd over
+       the seeds whose dense model learned the task. Held-out perplexity of the reference
+       completions, greedy accuracy. SR-STE and RoI: the same steps, batch and loss (KL to dense).
 
 Tests: `python -m pytest -q tests/test_nm.py tests/test_newcomer_tasks.py`.
 """
@@ -633,8 +629,7 @@ def build_parser():
     c.add_argument("--n_eval", type=int, default=500)
     c.add_argument("--seeds", type=parse_ints, default=[0, 1, 2],
                    help="comma-separated: each seed its own warm start, data and held-out set")
-    c.add_argument("--sft_steps", type=int, default=1200,  # 600 left seed 2 stuck (seed 3: both)
-                   help="each seed's warm start's SFT steps")
+    c.add_argument("--sft_steps", type=int, default=1200, help="each warm start's SFT steps")
     c.add_argument("--threads", type=int, default=1)
     c.add_argument("--write-results", dest="write_results", action="store_true",
                    help="rewrite bench/RESULTS.md's roi block")
