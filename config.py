@@ -67,7 +67,8 @@ class Config:
     # question: the prompt is the item's question and tasks.RG_INSTRUCTION; expression: its
     # metadata's expression and "=" alone (chain_sum: "47+35-19="), compact for the character model;
     # last_paragraph: the question's last paragraph and the instruction (string_splitting: the
-    # counts, where the rules before them are the same in every item)
+    # counts, where the rules before them are the same in every item); aligned (chain_sum, one
+    # digit): each term in a cell of 4 characters, every prompt one length (tasks.aligned_prompt)
     rg_prompt: str = "question"
     # hub name or local .jsonl/.parquet (gsm8k, math); empty = the task's default hub name
     data: str = ""
@@ -270,10 +271,11 @@ TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny
 
 def parse_config(argv):
     """argv: [config_file.py] [--key=value ...] -> Config. Without a config file, configs/tiny.py
-    applies."""
+    applies. A --task that differs from the file's drops the file's reasoning-gym keys (RG_KEYS):
+    they belong to its task (`python train.py --task=gsm8k` on the default's chain_sum)."""
     cfg = Config()
     defaults = dataclasses.asdict(cfg)
-    overrides = {}
+    files, cli = {}, {}
     if not any(not a.startswith("--") for a in argv):
         argv = [TINY] + list(argv)
     for arg in argv:
@@ -281,14 +283,17 @@ def parse_config(argv):
             if "=" not in arg:
                 raise ValueError(f"argument {arg!r} must look like --key=value")
             k, v = arg[2:].split("=", 1)
-            overrides[k] = v
+            cli[k] = v
         else:
             ns = {}
             if not os.path.exists(arg):
                 raise FileNotFoundError(f"config file {arg!r} does not exist")
             with open(arg) as f:
                 exec(compile(f.read(), arg, "exec"), {}, ns)
-            overrides.update({k: v for k, v in ns.items() if not k.startswith("_")})
+            files.update({k: v for k, v in ns.items() if not k.startswith("_")})
+    if "task" in cli and cli["task"] != files.get("task"):  # the file's task settings go with it
+        files = {k: v for k, v in files.items() if k not in RG_KEYS}
+    overrides = {**files, **cli}
     for k, v in overrides.items():
         if k not in defaults:
             near = difflib.get_close_matches(k, defaults, n=1)
@@ -311,7 +316,7 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
            "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
            "max_staleness": (0, 1), "router_replay": ("off", "logprob", "update"),
-           "rg_prompt": ("question", "expression", "last_paragraph"),
+           "rg_prompt": ("question", "expression", "last_paragraph", "aligned"),
            "tracker": ("none", "trackio", "wandb")}
 POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_embd", "n_head",
             "n_kv_head", "ffn", "moe_ffn", "prompts_per_step", "max_new_tokens", "page_size",
@@ -459,6 +464,7 @@ def check_kv_budget(cfg):
 
 
 RG_PREFIX = "reasoning_gym:"
+RG_KEYS = ("rg_kwargs", "sft_rg_kwargs", "eval_rg_kwargs", "rg_prompt")  # a task's own settings
 # reasoning-gym tasks whose traces the tiny model's teacher writes (warmstart.teacher_trace)
 TEACHER_TASKS = ("chain_sum", "string_splitting")
 
@@ -468,7 +474,7 @@ def check_task(cfg):
     generators; rg_kwargs, and rg_kwargs merged with sft_rg_kwargs or eval_rg_kwargs, may set only
     the fields of that generator's config (its own validate() then checks their values): a
     misspelt name or setting is refused here, with the names it could be."""
-    rg_keys = ("rg_kwargs", "sft_rg_kwargs", "eval_rg_kwargs")
+    rg_keys = RG_KEYS[:3]
     if not cfg.task.startswith(RG_PREFIX):
         if cfg.task not in ("synthetic", "gsm8k", "math", "code"):
             raise ValueError(f"config key 'task' must be synthetic, gsm8k, math, code or "
@@ -494,6 +500,10 @@ def check_task(cfg):
     if cfg.rg_prompt != "question":
         check_rg_prompt(cfg.rg_prompt, name, DATASETS[name][0](DATASETS[name][1](
             **cfg.rg_kwargs, size=1, seed=0))[0])
+    wide = [k for k in rg_keys if {**cfg.rg_kwargs, **getattr(cfg, k)}.get("max_digits", 4) > 1]
+    if cfg.rg_prompt == "aligned" and wide:  # tasks.aligned_prompt: a cell holds one digit
+        raise ValueError(f"config key 'rg_prompt': aligned lays out one-digit terms; set "
+                         f"max_digits to 1 in {wide[0]}")
     if not cfg.model and name not in TEACHER_TASKS:  # warmstart.teacher_trace writes no others
         raise ValueError(f"config key 'task' ({cfg.task}) needs model=<a hub name or folder>: "
                          f"the tiny model's warm start has teacher traces only for "
@@ -502,9 +512,9 @@ def check_task(cfg):
 
 def check_rg_prompt(prompt, name, item):
     """rg_prompt against one of the generator's items: "expression" needs its metadata's expression
-    to be its question (chain_sum's; countdown's is its answer), "last_paragraph" a question of more
-    than one paragraph."""
-    if prompt == "expression":
+    to be its question (chain_sum's; countdown's is its answer), as does "aligned", "last_paragraph"
+    a question of more than one paragraph."""
+    if prompt in ("expression", "aligned"):
         expr = item.get("metadata", {}).get("expression")
         if not isinstance(expr, str) or expr not in item["question"]:
             raise ValueError(f"config key 'rg_prompt': {name}'s questions are not their metadata's "

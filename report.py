@@ -128,8 +128,9 @@ def by_difficulty(scores, col):
 
 
 def summary(history, seconds, k=8):
-    """The table that ends a run, as text: the figures of the steps, then (synthetic task) held-out
-    accuracy per difficulty before and after RL, then the example completions before and after."""
+    """The table that ends a run, as text: the figures of the steps, then (a task with difficulties)
+    held-out accuracy per difficulty before and after RL, then the example completions before and
+    after."""
     recs = history["records"]
     if not recs:
         return "no step ran"

@@ -69,7 +69,7 @@ from reward import score
 from rollout import Engine
 from sparsity import NM_SKIP, SRSTE, apply_nm, nm_linears, nm_mask, wanda_scores
 from tasks import (CHARS, format_prompt, load_problems, make_reasoning_gym, make_synthetic,
-                   synthetic_trace)
+                   rg_width, synthetic_trace)
 from warmstart import build_policy, chain_sum_trace
 
 TRAIN_SEED, CALIB_SEED = 30_000, 40_000  # offsets from the run's seed: data of their own
@@ -266,8 +266,8 @@ def task_problems(cfg, n, offset, exclude=frozenset()):
     where cfg has no model) from seed cfg.seed + offset."""
     if not cfg.task.startswith(RG_PREFIX):
         return synthetic_problems(cfg, n, offset, exclude)
-    drawn = make_reasoning_gym(cfg.task[len(RG_PREFIX):], 2 * n + 100, cfg.seed + offset,
-                               cfg.rg_kwargs, None if cfg.model else CHARS, cfg.rg_prompt)
+    drawn = make_reasoning_gym(cfg.task[len(RG_PREFIX):], 2 * n + 100, cfg.seed + offset, cfg.rg_kwargs,
+                               None if cfg.model else CHARS, cfg.rg_prompt, rg_width(cfg))
     out = [p for p in drawn if p.prompt not in exclude][:n]
     if len(out) < n:
         raise ValueError(f"only {len(out)} of {n} {cfg.task} problems are not held out")

@@ -41,6 +41,7 @@ Simplifications:
 
 import hashlib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -58,7 +59,7 @@ from transformers import AutoTokenizer
 from checkpoint import save_atomic
 from config import parse_config
 from model import ModelConfig, Transformer
-from tasks import (build_char_tokenizer, is_lagged, lagged_trace, load_gsm8k, load_math,
+from tasks import (ALIGN, build_char_tokenizer, is_lagged, lagged_trace, load_gsm8k, load_math,
                    load_mbpp, sft_problems, sft_seed, synthetic_trace)
 from update import build_batch, token_logprobs
 
@@ -84,13 +85,20 @@ def tiny_model_config(cfg, tok):
 
 
 def chain_sum_trace(problem):
-    """reasoning-gym chain_sum's exact trace, written from the item's metadata (its expression):
-    the first term, then each step's operator and next term and the running total, every total
-    signed and in two digits so that a digit always sits at the same place in its step; the
-    answer follows "####": "63 - 15 + 43" -> "+063-15=+048+43=+091\n#### 91". A step reads the
-    total it has just written and one term of the prompt, the same step at any number of terms;
-    the totals a long chain reaches (past 200, below -100) are what short ones rarely show."""
+    """reasoning-gym chain_sum's exact trace, written from the item's metadata (its expression).
+    On an aligned prompt (tasks.aligned_prompt, the default's) the running total after each term,
+    signed in a cell of ALIGN characters, the prompt's cell size, so step k reads term k at one
+    distance: "+7  -3  +5  +9  ...=" -> "+007+004+009+018\n#### 18". Otherwise the first term,
+    then each step's operator and next term and the running total, every total signed and in two
+    digits so that a digit always sits at the same place in its step; the answer follows "####":
+    "63 - 15 + 43" -> "+063-15=+048+43=+091\n#### 91". A step reads the total it has just written
+    and one term of the prompt, the same step at any number of terms; the totals a long chain
+    reaches (past 200, below -100) are what short ones rarely show."""
     expr = problem.meta["entry"]["metadata"]["expression"].split()  # "63", "-", "15", ...
+    if problem.prompt.endswith(" ="):  # aligned: the totals alone, one cell a step
+        totals = list(itertools.accumulate(int(t) if op == "+" else -int(t)
+                                           for op, t in zip(["+"] + expr[1::2], expr[::2])))
+        return "".join(f"{t:+0{ALIGN}d}" for t in totals) + f"\n#### {totals[-1]}"
     total = int(expr[0])
     steps = [f"{total:+03d}"]
     for op, term in zip(expr[1::2], expr[2::2]):

@@ -14,7 +14,10 @@ problems per difficulty:
               difficulty: the supervised ceiling, what RL would reach if the teacher covered the
               range it is tested on.
 Each arm's verifier calls and wall time (training only: sampling, scoring and optimizer steps; the
-held-out evaluation is the same for every arm and left out) are in the table.
+held-out evaluation is the same for every arm and left out) are in the table. Where the config
+samples its held-out set (eval_sampled, the default: pass@64), a second table asks whether RL goes
+past what the warm start could sample: beyond the SFT range, RL's pass@1 beside the warm start's
+pass@64 (and RL's own pass@64), per difficulty (past_sampling).
 
     python -m bench demo --threads 1          # 3 seeds
     python -m bench demo --quick              # seed 0, a few steps: a smoke run
@@ -45,7 +48,7 @@ import parallel
 import train
 from bench.common import hardware
 from config import RG_PREFIX, parse_config
-from tasks import (CHARS, RG_SPLIT, load_problems, make_reasoning_gym, make_synthetic,
+from tasks import (CHARS, RG_SPLIT, load_problems, make_reasoning_gym, make_synthetic, rg_width,
                    sft_problems)
 from update import build_batch, token_logprobs
 from warmstart import sft_target
@@ -112,7 +115,7 @@ def fresh_problems(cfg, n, seed, every_bin):
     if cfg.task.startswith(RG_PREFIX):
         over = cfg.eval_rg_kwargs if every_bin else cfg.sft_rg_kwargs
         return make_reasoning_gym(cfg.task[len(RG_PREFIX):], n, seed + 3 * RG_SPLIT,
-                                  {**cfg.rg_kwargs, **over}, CHARS, cfg.rg_prompt)
+                                  {**cfg.rg_kwargs, **over}, CHARS, cfg.rg_prompt, rg_width(cfg))
     span = (cfg.eval_difficulty if every_bin else cfg.sft_difficulty) or cfg.difficulty
     return make_synthetic(n, seed + 30_000, span, cfg.order)
 
@@ -159,7 +162,8 @@ def one_seed(seed, quick, root):
     accs = {"warm start": history["start"]["greedy"],
             "RL": {int(d): a for d, a in recs[-1]["acc_by_difficulty"].items()}}
     cost = {"RL": (sum(calls), sum(r["collect_s"] + r["train_s"] for r in recs))}
-    spent = {"rollouts": sum(calls), "tokens": tokens}
+    spent = {"rollouts": sum(calls), "tokens": tokens,  # and the sampled figures, if measured
+             "passes": (history["start"], history.get("end", {}))}
     cfg = parse_config(argv)
     spent["ranges"] = span(sft_problems(cfg)), span(load_problems(cfg)[0])  # SFT's, RL's
     for arm in ARMS[2:]:
@@ -212,4 +216,27 @@ def run(quick, cmd):
         lines += ["", f"RL's gain beyond the SFT range: {spread(gain)} (points x 100: "
                       f"{100 * statistics.mean(gain):+.1f}); per seed "
                       + ", ".join(f"{g:+.3f}" for g in gain) + "."]
+    return lines + past_sampling(results, hi)
+
+
+def past_sampling(results, hi):
+    """Beyond the SFT range, per difficulty: the warm start's pass@k at the largest k measured
+    beside RL's pass@1 and pass@k (eval_sampled runs only): does RL's pass@1 exceed what the warm
+    start could sample, or does it only sharpen what was there? -> lines ([] without them)."""
+    starts, ends = zip(*(s["passes"] for _, _, _, s in results))
+    ks = [k for k in starts[0] if k.startswith("pass@") and k != "pass@1"]
+    if not ks or not all(ends):
+        return []
+    top = max(ks, key=lambda k: int(k[5:]))
+    diffs = sorted(int(d) for d in starts[0][top] if int(d) > hi)
+    cell = lambda runs, k, d: [r[k].get(d, r[k].get(str(d), 0.0)) for r in runs]  # noqa: E731
+    lines = ["", f"Past what the warm start could sample: beyond the SFT range, the warm start's "
+                 f"{top} (temperature 1) beside RL's pass@1 and {top}, mean ± spread over seeds.",
+             "", f"| difficulty | warm start {top} | RL pass@1 | RL {top} | RL pass@1 > warm "
+                 f"start {top} |", "|---|---|---|---|---|"]
+    for d in diffs:
+        w, p1, pk = cell(starts, top, d), cell(ends, "pass@1", d), cell(ends, top, d)
+        wins = sum(a > b for a, b in zip(p1, w))
+        lines.append(f"| {d} | {spread(w)} | {spread(p1)} | {spread(pk)} | {wins} of "
+                     f"{len(w)} seeds |")
     return lines

@@ -1,40 +1,41 @@
 # python train.py            (this file is the default: it applies whenever no config file is given)
-# The embedded default: a 0.8M-parameter Qwen3-shaped model on the synthetic task, on the CPU, with no network.
-# SFT sees chains of 2 to 6 from a teacher that slips at carries; RL trains on 2 to 10; held-out evaluation runs
-# 2 to 12, so 11 and 12 are seen by neither. The question it answers: does RL make the policy reliably right past
-# its supervised range, and does it beat spending the same rollouts on RFT or more SFT (`python -m bench demo`)?
+# The embedded default: a 0.8M-parameter Qwen3-shaped model on reasoning-gym's chain_sum, on the CPU, with no network,
+# from a clean teacher (exact traces, no planted error). SFT sees sums of 2 to 4 terms, RL trains on 2 to 8, held-out
+# evaluation runs 2 to 12, so 9 to 12 are seen by neither. The question it answers: does RL make the policy right past
+# its supervised range, past what the warm start could already sample (its pass@64 there), and does it beat spending
+# the same verifier calls on RFT or more SFT (`python -m bench demo`)?
 out_dir = "out/tiny"
-task = "synthetic"
-# data: order "marked" (tasks.py): every prompt lists the same 14 items "k=v,", the chain is the first d of them
-# and its last item ends with "." ("a=3,b=5,c=1.d=4,...?"); the trace restates each value, the running sum and
-# the item's separator ("3>3,5>8,1>9.#9"), so every step reads at one distance and the chain ends on content
-order = "marked"
-sft_difficulty = (2, 6)     # warm start: short chains only
-difficulty = (2, 10)        # RL: chains of 2 to 10
-eval_difficulty = (2, 12)   # held out: 11 and 12 are seen neither by SFT nor by RL
+task = "reasoning_gym:chain_sum"
+# one-digit terms (0-9), + or - at random, the library's generator and its score_answer: "7 - 3 + 5 + 9" -> 18. A sum of
+# 9 to 12 terms spreads over about 90 values: always guessing the likeliest answer passes under 3% of the time
+rg_kwargs = {"min_digits": 1, "max_digits": 1, "min_terms": 2, "max_terms": 8}   # RL: 2 to 8 terms
+sft_rg_kwargs = {"max_terms": 4}     # warm start: 2 to 4 terms only
+eval_rg_kwargs = {"max_terms": 12}   # held out: up to 12 terms
+# the prompt for the character model (tasks.aligned_prompt): each term signed in a cell of 4 characters, blank cells up
+# to 12 terms, then "=": "+7  -3  +5  +9  " + 32 blanks + "=". The trace writes the running total in cells of the same
+# size (warmstart.chain_sum_trace): "+007+004+009+018\n#### 18", so step k reads term k at one distance at any length
+rg_prompt = "aligned"
 n_train = 20000
-n_eval = 440                # 40 per difficulty, greedy, disjoint from the pool and the SFT data
-eval_sampled = True         # also the warm start's pass@1 and pass@8 at temperature 1, per difficulty
+n_eval = 220                # 20 per number of terms, disjoint from the pool and the SFT data (2 terms: all in the pool)
+eval_sampled = True         # also pass@1, pass@8 and pass@64 at temperature 1, before and after RL, per difficulty
+eval_k = 64
 n_layer = 4
 n_embd = 128
 n_head = 4
 n_kv_head = 2
 ffn = 384
-# warm start: exact traces except a slip at carries (warmstart.teacher_trace): where the running sum crosses 10,
-# half the time the teacher adds the carry into the units digit and carries on from its wrong total, a forgotten
-# wrap that comes with the input, so errors compound with the chain's length. Without the slip, SFT on 2-6
-# already solves 7-12 on most seeds in this format, and RL has little to add.
+# warm start: SFT on the exact traces of 2 to 4 terms; it is right on 3-4, then falls off with each term past them
 sft_steps = 1600
 sft_batch = 16
 sft_lr = 2e-3
-sft_noise = 0.0
-sft_slip = 0.5
 prompts_per_step = 16
 group_size = 8
-max_new_tokens = 64         # a 12-chain trace is 50 characters
+max_new_tokens = 64         # a 12-term trace is 48 characters and its answer line 9
 lr = 2e-4
-steps = 80
+steps = 120
 warmup_steps = 5
 micro_batch = 64
-eval_every = 5              # held-out accuracy every 5 steps: the curve in run.png
+eval_every = 5              # held-out greedy accuracy every 5 steps: the curve in run.png
 save_every = 20
+# stage 1 (config.py's defaults): the growth-zone sampler keeps prompts whose pass rate is in (0.1, 0.9), so the
+# curriculum follows the policy from 5 terms outward as it learns them

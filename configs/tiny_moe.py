@@ -1,7 +1,7 @@
 # python train.py configs/tiny_moe.py --threads=1
 # On a 2-core CPU VM, 1 thread: held-out accuracy 0.30 -> 0.97 in 30 RL steps (133 s of RL); the first run
 # also builds the warm start (600 SFT steps, 3-4 minutes), cached for later runs.
-# The embedded default's task on a small Qwen3-MoE (4 experts, top-2, in every layer), trained with router replay
+# configs/sharpen.py's synthetic task on a small Qwen3-MoE (4 experts, top-2, in every layer), trained with router replay
 # (R3): a bf16 rollout copy generates and records the experts of every token; the trainer's forwards route through
 # those experts instead of its own top-k. Everything not set here is the Config default.
 out_dir = "out/tiny_moe"

@@ -15,18 +15,19 @@ from warmstart import cache_path
 
 def test_held_out_problems_share_no_prompt_with_the_pool_or_the_sft_data():
     # short chains in the "defined" order, where prompts do collide: the filter is not idle
-    cfg = config.parse_config(["--n_train=3000", "--n_eval=200", "--difficulty=(2,3)", "--sft_steps=100",
-                               "--order=defined", "--sft_difficulty=(2,3)", "--eval_difficulty=(2,3)",
+    cfg = config.parse_config(["configs/marked.py", "--n_train=3000", "--n_eval=200",
+                               "--difficulty=(2,3)", "--sft_steps=100", "--order=defined", "--sft_difficulty=(2,3)", "--eval_difficulty=(2,3)",
                                "--sft_slip=0"])
     pool, held = load_problems(cfg)
     seen = {p.prompt for p in pool + sft_problems(cfg)}
     assert len(held) == 200 and not ({p.prompt for p in held} & seen)
     raw = make_synthetic(200, cfg.seed + 10_000, (2, 3))  # what the held-out set was before the filter
     assert {p.prompt for p in raw} & seen
-    # and the default's own sets: held out 2-12, RL pool 2-10, SFT data 2-6
+    # and the default's own sets (chain_sum): held out up to 12 terms, RL pool 2-8, SFT data 2-4; every
+    # 2-term sum is in the pool, so the held-out set starts at 3
     cfg = config.parse_config(["--n_train=3000", "--sft_steps=100"])
     pool, held = load_problems(cfg)
-    assert len(held) == cfg.n_eval and {p.meta["difficulty"] for p in held} == set(range(2, 13))
+    assert len(held) == cfg.n_eval and {p.meta["difficulty"] for p in held} == set(range(3, 13))
     assert not ({p.prompt for p in held} & {p.prompt for p in pool + sft_problems(cfg)})
 
 
@@ -114,6 +115,33 @@ def test_the_supervised_ceiling_trains_on_every_held_out_bin_and_no_held_out_pro
         every_bin) or [])
     demo.more_sft(cfg, run, tokens=10, seed=0, every_bin=True)
     assert every == [True]
+
+
+def test_the_teachers_problems_on_the_default_are_aligned_like_its_pool():
+    # the default (reasoning-gym chain_sum, aligned prompts): the SFT arms' fresh problems come from
+    # the SFT range or every held-out bin, laid out at the run's width like the pool and held-out set
+    from bench import demo
+    cfg = config.parse_config(["--n_train=300", "--sft_steps=10", "--n_eval=40"])
+    pool, held = load_problems(cfg)
+    sft, every = (demo.fresh_problems(cfg, 200, 0, every_bin=b) for b in (False, True))
+    assert demo.span(sft) == (2, 4) and demo.span(every) == (2, 12)
+    assert {len(p.prompt) for p in sft + every} == {len(p.prompt) for p in pool + held} == {49}
+
+
+def test_past_sampling_sets_rls_pass_at_1_beside_the_warm_starts_pass_at_k():
+    # item 5 of the demo: beyond the SFT range only, the warm start's pass@k at the largest k against
+    # RL's pass@1 (not its own pass@k), counted per seed
+    from bench import demo
+    start = {"pass@1": {3: 0.1, 5: 0.1, 6: 0.0}, "pass@8": {3: 0.5, 5: 0.3, 6: 0.2},
+             "pass@64": {3: 1.0, 5: 0.4, 6: 0.2}}
+    end = {"pass@1": {3: 0.9, 5: 0.5, 6: 0.1}, "pass@8": {3: 1.0, 5: 0.9, 6: 0.3},
+           "pass@64": {3: 1.0, 5: 1.0, 6: 0.5}}
+    results = [(None, None, None, {"passes": (start, end)})] * 2
+    lines = demo.past_sampling(results, hi=4)
+    rows = [x for x in lines if x.startswith("| 5") or x.startswith("| 6") or x.startswith("| 3")]
+    assert rows == ["| 5 | 0.400 ± 0.000 | 0.500 ± 0.000 | 1.000 ± 0.000 | 2 of 2 seeds |",
+                    "| 6 | 0.200 ± 0.000 | 0.100 ± 0.000 | 0.500 ± 0.000 | 0 of 2 seeds |"]
+    assert demo.past_sampling([(None, None, None, {"passes": ({"greedy": {}}, {})})], 4) == []
 
 
 def test_the_examples_are_problems_the_warm_start_gets_wrong():

@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ["train", "heldout", "sparse_rollout", "calibrate", "roi", "report", "warmstart", "parallel",
          "checkpoint", "distill", "update", "copies", "sync", "rollout", "speculative", "kvcache",
          "zeros_kernels.block_sparse_decode", "zeros_kernels.sparse_decode_cpu", "sparsity",
-         "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "answers",
+         "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "synthetic",
+         "answers",
          "model", "moe", "zeros_kernels.linear_cpu", "zeros_kernels.cpu_ext", "config"]
 CORE_MAX_LINES = 650
 FUNCTION_MAX_LINES = 80

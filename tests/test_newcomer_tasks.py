@@ -36,8 +36,8 @@ def small_cfg(tmp_path, *extra):
 
 
 def marked_warm_start(tmp_path):
-    """A tiny warm start of the default's task (order "marked", SFT on chains of 2 to 6)."""
-    cfg = config.parse_config(["configs/tiny.py"] + SMALL[:-3] + ["--sft_steps=3",
+    """A tiny warm start of configs/marked.py's task (order "marked", SFT on chains of 2 to 6)."""
+    cfg = config.parse_config(["configs/marked.py"] + SMALL[:-3] + ["--sft_steps=3",
                                                                   f"--out_dir={tmp_path / 'ws'}"])
     warmstart.build_policy(cfg, "cpu", lambda s: None)
     return warmstart.cache_path(cfg)

@@ -16,8 +16,9 @@ rg = pytest.importorskip("reasoning_gym")
 
 from config import Config, parse_config  # noqa: E402
 from reward import Cascade, score_one  # noqa: E402
-from tasks import (CHARS, RG_INSTRUCTION, RG_SPLIT, Problem, build_char_tokenizer,  # noqa: E402
-                   encode_pool, format_prompt, load_problems, make_reasoning_gym, sft_problems)
+from tasks import (ALIGN, CHARS, RG_INSTRUCTION, RG_SPLIT, Problem,  # noqa: E402
+                   aligned_prompt, build_char_tokenizer, encode_pool, format_prompt, load_problems,
+                   make_reasoning_gym, sft_problems)
 from warmstart import chain_sum_trace, sft_key, teacher_trace  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +217,7 @@ def test_the_countdown_recipe_parses_and_builds_its_task_offline():
         assert score_one(p, f"#### {p.answer}") == 1.0
 
 
-# ------------------------------------------------------- configs/chain_sum.py: the tiny model, a clean teacher
+# ------------------------------------------------ configs/tiny.py, the default: the tiny model, a clean teacher
 
 
 @pytest.mark.parametrize("kw", [{"min_digits": 1, "max_digits": 1, "min_terms": 1, "max_terms": 10},
@@ -244,35 +245,71 @@ def test_the_chain_sum_teacher_is_exact(kw, cascade):
     assert res.rewards == [1.0] * len(ps) and set(res.stages) == {"exact"}
 
 
-def test_chain_sum_runs_on_a_ladder_past_sft_and_past_rl():
-    """configs/chain_sum.py: SFT's range below RL's below the held-out set's, each drawn from its own
-    settings; the held-out problems share no prompt with the pool or the SFT data; the sampler
-    follows the growth zone; the tiny model's warm start key names its task and SFT settings."""
-    cfg = parse_config([os.path.join(ROOT, "configs", "chain_sum.py"), "--n_train=600",
-                        "--sft_steps=40", "--n_eval=80"])
+def test_the_default_runs_on_a_ladder_past_sft_and_past_rl():
+    """configs/tiny.py (the default): SFT's range below RL's below the held-out set's, each drawn
+    from its own settings; the held-out problems share no prompt with the pool or the SFT data; the
+    sampler follows the growth zone; every prompt is aligned and of one length; the tiny model's
+    warm start key names its task and SFT settings."""
+    cfg = parse_config(["--n_train=600", "--sft_steps=40", "--n_eval=80"])
     assert cfg.task == "reasoning_gym:chain_sum" and not cfg.model and cfg.sampler == "growth"
-    assert cfg.rg_prompt == "expression" and cfg.eval_sampled and cfg.eval_k == 64
+    assert cfg.rg_prompt == "aligned" and cfg.eval_sampled and cfg.eval_k == 64
+    assert cfg.sft_slip == 0 and cfg.sft_noise == 0  # a clean teacher
     pool, held = load_problems(cfg)
     sft = sft_problems(cfg)
     terms = lambda ps: {p.meta["difficulty"] for p in ps}
-    assert terms(sft) == {2, 3, 4} and terms(pool) == set(range(2, 8))
-    assert max(terms(held)) == 10 and {8, 9, 10} <= terms(held) <= set(range(2, 11))
+    assert terms(sft) == {2, 3, 4} and terms(pool) == set(range(2, 9))
+    assert {9, 10, 11, 12} <= terms(held) <= set(range(2, 13))
     assert not {p.prompt for p in held} & {p.prompt for p in pool + sft}
-    for p in sft + pool + held:  # one-digit terms, the expression alone as the prompt
+    assert {len(p.prompt) for p in sft + pool + held} == {ALIGN * 12 + 1}
+    for p in sft + pool + held:  # one-digit terms, laid out in cells
         e = p.meta["entry"]["metadata"]
-        assert e["num_digits"] == 1 and p.prompt == e["expression"].replace(" ", "") + "="
+        assert e["num_digits"] == 1 and p.prompt == aligned_prompt(e["expression"], 12)
     key = sft_key(cfg)
     assert key["task"] == cfg.task and key["rg_kwargs"]["max_terms"] == 4
+    assert key["rg_prompt"] == "aligned"
     with pytest.raises(ValueError, match="config key 'sft_rg_kwargs': chain_sum has no setting"):
         parse_config(["--task=reasoning_gym:chain_sum", "--sft_rg_kwargs={'max_term': 4}"])
     with pytest.raises(ValueError, match="config key 'eval_rg_kwargs' must be empty"):
-        parse_config(["--eval_rg_kwargs={'max_terms': 4}"])
+        parse_config(["configs/marked.py", "--eval_rg_kwargs={'max_terms': 4}"])
+    with pytest.raises(ValueError, match="aligned lays out one-digit terms.*eval_rg_kwargs"):
+        parse_config(["--eval_rg_kwargs={'max_digits': 2}"])
+    with pytest.raises(ValueError, match="rg_prompt.*countdown's questions are not"):
+        parse_config(["--task=reasoning_gym:countdown", "--rg_prompt=aligned", "--model=x"])
+    assert parse_config(["--task=gsm8k"]).rg_kwargs == {}  # the file's rg keys go with its task
+
+
+def test_an_aligned_trace_reads_term_k_at_one_distance_at_every_length(cascade):
+    """tasks.aligned_prompt and its trace: term k's cell and the trace's step k sit ALIGN * k
+    characters into prompt and trace, and every prompt has one length, so step k reads term k at
+    one distance for every k and every number of terms; each step is the running total, and the
+    answer scores 1 through the cascade."""
+    kw = {"min_digits": 1, "max_digits": 1, "min_terms": 2, "max_terms": 12}
+    ps = make_reasoning_gym("chain_sum", 80, seed=5, kwargs=kw, prompt="aligned", width=12)
+    assert {len(p.prompt) for p in ps} == {ALIGN * 12 + 1} and all(p.prompt[-1] == "=" for p in ps)
+    for p in ps:
+        trace = teacher_trace(p, 0.0, None)
+        body, _, answer = trace.partition("\n#### ")
+        expr = p.meta["entry"]["metadata"]["expression"].split()
+        terms = [int(expr[0])] + [int(t) if op == "+" else -int(t)
+                                  for op, t in zip(expr[1::2], expr[2::2])]
+        assert len(body) == ALIGN * len(terms)
+        total = 0
+        for k, term in enumerate(terms):
+            cell, step = p.prompt[ALIGN * k:ALIGN * (k + 1)], body[ALIGN * k:ALIGN * (k + 1)]
+            assert int(cell) == term and cell[0] in "+-"  # term k, signed, in cell k
+            total += term
+            assert step == f"{total:+0{ALIGN}d}"  # step k: the total after term k
+        assert p.prompt[ALIGN * len(terms):-1].strip() == ""  # blank cells after the last term
+        assert answer == str(total) == p.answer
+    assert cascade.score_batch(ps, [teacher_trace(p, 0.0, None) for p in ps]).rewards == [1.0] * 80
+    with pytest.raises(ValueError, match="does not fit 3 cells"):
+        aligned_prompt("1 + 2 + 3 + 4", 3)
 
 
 def test_a_random_answer_passes_well_under_1_in_20_on_the_far_bins():
-    """configs/chain_sum.py's far bins (8 to 10 one-digit terms): the likeliest answer, always
+    """The default's far bins (9 to 12 one-digit terms, past RL's 8): the likeliest answer, always
     guessed, is right under 1 time in 30."""
-    for n in (8, 9, 10):
+    for n in (9, 10, 11, 12):
         answers = [int(p.answer) for p in make_reasoning_gym(
             "chain_sum", 4000, seed=n, kwargs={"min_digits": 1, "max_digits": 1, "min_terms": n,
                                                "max_terms": n})]
