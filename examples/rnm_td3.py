@@ -8,8 +8,8 @@ active weights are ever updated. Dense TD3 is the same code with no masks.
     python examples/rnm_td3.py --sparsity=2:4 --seed=0 --steps=30000   # one run, Pendulum-v1
     python examples/rnm_td3.py --sparsity=1:4 --mask_every=0           # a fixed mask
     python examples/rnm_td3.py --compare       # dense, 2:4, 1:4, 1:8 x seeds 0, 1, 2 on Pendulum
-    python examples/rnm_td3.py --compare --env=Hopper-v5 --steps=300000 --start_steps=25000 \
-        --eval_every=5000                      # MuJoCo: `pip install mujoco imageio` first
+    python examples/rnm_td3.py --compare --env=Hopper-v5 --steps=60000 --start_steps=10000 \
+        --eval_every=5000 --final_evals=3      # MuJoCo: `pip install "gymnasium[mujoco]"` first
     python -m pytest -q tests/test_rnm_td3.py  # the mask rule and invariants, in seconds
 
 What a run does, top to bottom:
@@ -569,7 +569,7 @@ def results_block(cfg, variants, obs_dim, act_dim, name="rnm_td3"):
              f"{len(moved)} updates in all)" if cfg.mask_every else "fixed")
     other = "dense" if cfg.input_layer == "nm" else "nm"
     lines = [
-        "## N:M sparse TD3 from scratch (RNM-TD3)", "",
+        "## N:M sparse TD3 from scratch (RNM-TD3)" + ("" if name == "rnm_td3" else ", " + cfg.env), "",
         f"`{command}` (examples/rnm_td3.py; `--input_layer={other}` for a second table). "
         f"Hardware: {hardware()}. {cfg.env}, {cfg.steps:,} environment steps "
         f"({cfg.start_steps:,} random first), TD3 with 2 x {cfg.hidden} hidden units and batch "
