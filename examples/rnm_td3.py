@@ -70,11 +70,11 @@ Simplifications:
        batch 256, gamma 0.99, tau 0.005, policy noise 0.2 clipped at 0.5, policy delay 2,
        exploration noise 0.1 (noise scales are in units of the action bound). Episodes cut by a
        time limit bootstrap; only true terminations do not. No observation normalisation.
-    6. The default comparison is Pendulum-v1 for 20,000 steps (12 runs fit one CPU thread), a
-       small task and a short run; the method's claim is on MuJoCo over 1M steps (--env takes any
-       gymnasium Box task). --compare prints its table (final return mean ± std per arm, and a line
-       on the claim: 2:4 and 1:4 beat dense, 1:8 stays competitive) and writes it with its plot
-       under --out/<env>; --write-results puts them in bench/RESULTS.md and assets/ instead.
+    6. The default comparison is Pendulum-v1, 20,000 steps (12 runs fit one CPU thread); the claim
+       is on MuJoCo over 1M steps (bench/RESULTS.md's Hopper-v5 runs: 60,000; --env takes any
+       gymnasium Box task). --compare prints its table (final return mean ± std per arm, a line on
+       the claim) and writes it with its plot under --out/<env>, or with --write-results into
+       bench/RESULTS.md and assets/.
 """
 
 import argparse
@@ -569,7 +569,7 @@ def results_block(cfg, variants, obs_dim, act_dim, name="rnm_td3"):
              f"{len(moved)} updates in all)" if cfg.mask_every else "fixed")
     other = "dense" if cfg.input_layer == "nm" else "nm"
     lines = [
-        "## N:M sparse TD3 from scratch (RNM-TD3)" + ("" if name == "rnm_td3" else ", " + cfg.env), "",
+        "## N:M sparse TD3 from scratch (RNM-TD3)" + (", " + cfg.env) * (name != "rnm_td3"), "",
         f"`{command}` (examples/rnm_td3.py; `--input_layer={other}` for a second table). "
         f"Hardware: {hardware()}. {cfg.env}, {cfg.steps:,} environment steps "
         f"({cfg.start_steps:,} random first), TD3 with 2 x {cfg.hidden} hidden units and batch "
