@@ -58,7 +58,10 @@ Simplifications and rules:
 Run the benchmark with `python -m zeros_kernels.block_sparse_decode` (CUDA: kernel vs SDPA vs
 FlexAttention; CPU: the PyTorch reference against the CPU fast path). Tests:
 `python -m pytest tests/test_kernel.py`, which runs the kernel through Triton's interpreter
-(TRITON_INTERPRET=1) when there is no GPU.
+(TRITON_INTERPRET=1) when there is no GPU. The interpreter accepts what the GPU compiler rejects, so
+`python -m pytest tests/test_kernel_compile.py -s` compiles every variant the wrapper can launch
+(`launch_configs`) to sm_80 and sm_90 machine code with no GPU (Triton's own ptxas) and prints the
+registers and spills of each.
 """
 
 import functools
@@ -79,11 +82,15 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "o
 # Tokens per inner-loop tile, warps, pipeline stages. A page of 16 tokens is too small a unit of
 # work, so a tile holds several pages (or a piece of a larger page). Half-precision tiles feed the
 # tensor cores; exact fp32 dots run on the FMA units and need a smaller tile to stay in registers.
-# Tiles are powers of two and >= 16 (tl.dot's minimum). Not tuned on hardware yet.
+# Tiles are powers of two and >= 16 (tl.dot's minimum). No variant spills on sm_80 or sm_90
+# (tests/test_kernel_compile.py). Not timed on hardware yet.
 HALF_CONFIG = dict(tile_tokens=64, num_warps=4, num_stages=2)
 FP32_CONFIG = dict(tile_tokens=32, num_warps=8, num_stages=2)
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # caches that go to the tensor cores as they are
 # Auto splitting stops once a split would get fewer pages than this: the merge is not free.
 MIN_PAGES_PER_SPLIT = 4
+# The merge kernel holds every split of a row in registers at once: past 32 splits it spills.
+MAX_SPLITS = 32
 
 
 # -----------------------------------------------------------------------------
@@ -229,7 +236,43 @@ def default_num_splits(batch, num_kv_heads, max_sel, device):
         return 1
     programs = batch * num_kv_heads
     want = triton.cdiv(2 * _sm_count(device.index if device.index is not None else 0), programs)
-    return max(1, min(want, triton.cdiv(max_sel, MIN_PAGES_PER_SPLIT)))
+    return max(1, min(want, triton.cdiv(max_sel, MIN_PAGES_PER_SPLIT), MAX_SPLITS))
+
+
+def launch_config(G, head_dim, page_size, half, num_splits=1):
+    """What block_sparse_decode launches for G query heads of head_dim per KV head, pages of
+    page_size tokens, a bf16/fp16 cache on the tensor cores (half) or exact fp32 (an fp32 cache, or
+    any under the interpreter), and num_splits: the keyword arguments of the decode kernel (its
+    constexprs, num_warps, num_stages) and of the merge kernel (None for one split)."""
+    cfg = HALF_CONFIG if half else FP32_CONFIG
+    block_t = triton.next_power_of_2(page_size)
+    chunk = min(block_t, cfg["tile_tokens"])
+    decode = dict(
+        G=G, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_G=max(16, triton.next_power_of_2(G)),  # an mma's 16 rows (older tl.dot's minimum)
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=cfg["tile_tokens"], CHUNK=chunk, CHUNKS_PER_PAGE=block_t // chunk,
+        UPCAST=not half, DOT_PRECISION="tf32" if half else "ieee",  # tf32 is unused for half inputs
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    merge = None if num_splits == 1 else dict(
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1)
+    return decode, merge
+
+
+def launch_configs(page_sizes=(16, 64)):
+    """What block_sparse_decode can launch on a GPU, as the inputs that decide it: a list of
+    (cache dtype, q dtype, page_size, num_splits). A covering set, not every product: each cache
+    dtype (fp32 exact; bf16, fp16 on the tensor cores), q in the cache's dtype or in fp32 (an fp32
+    model over a half cache), pages smaller than a tile and not, one split or several
+    (the merge kernel, 2 to MAX_SPLITS). tests/test_kernel_compile.py compiles each for sm_80 and
+    sm_90."""
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    small = min(page_sizes)
+    return ([(kv, kv, p, 1) for kv in (f32, bf16) for p in page_sizes]
+            + [(f16, f16, small, 1), (bf16, f32, small, 1)]
+            + [(kv, kv, small, MAX_SPLITS) for kv in (f32, bf16)]
+            + [(f16, f16, max(page_sizes), 2)])
 
 
 def _check_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel):
@@ -267,7 +310,8 @@ def block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, s
     scale = D ** -0.5 if scale is None else scale
     if num_splits is None:
         num_splits = default_num_splits(B, H_kv, max_sel, q.device)
-    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    assert 1 <= num_splits <= MAX_SPLITS, \
+        f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}"
 
     # the interpreter casts fp32 -> bf16 by truncation (the GPU rounds): there, let torch round
     out = torch.empty((B, H_q, D), device=q.device, dtype=torch.float32 if _INTERPRET else q.dtype)
@@ -281,29 +325,17 @@ def block_sparse_decode(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, s
     # A half-precision cache on a GPU goes to the tensor cores as it is (q is cast to its dtype);
     # anything else (fp32 or fp8 caches, the interpreter) is cast to fp32 after the load and
     # multiplied exactly.
-    upcast = _INTERPRET or k_cache.dtype not in (torch.float16, torch.bfloat16) \
-        or v_cache.dtype != k_cache.dtype
-    cfg = FP32_CONFIG if upcast else HALF_CONFIG
-    block_t = triton.next_power_of_2(page_size)
-    chunk = min(block_t, cfg["tile_tokens"])
-    grid = (B * H_kv, num_splits)
-    _block_sparse_decode_kernel[grid](
+    half = not _INTERPRET and k_cache.dtype in HALF_DTYPES and v_cache.dtype == k_cache.dtype
+    decode_kw, merge_kw = launch_config(G, D, page_size, half, num_splits)
+    _block_sparse_decode_kernel[(B * H_kv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, part, lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(), seq_lens.stride(0),
         *sel.stride(), *n_sel.stride(), *part_strides,
         H_kv, num_splits, scale * math.log2(math.e),  # scores in log2 units: exp2 is the fast one
-        G=G, HEAD_DIM=D, PAGE_SIZE=page_size,
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_N=cfg["tile_tokens"], CHUNK=chunk, CHUNKS_PER_PAGE=block_t // chunk,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",  # tf32 is unused for half inputs
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **decode_kw,
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(B * H_q,)](
-            part, lse, out, num_splits,
-            HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=triton.next_power_of_2(D), num_warps=1,
-        )
+    if merge_kw is not None:
+        _merge_splits_kernel[(B * H_q,)](part, lse, out, num_splits, **merge_kw)
     return out.to(q.dtype)
 
 
