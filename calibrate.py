@@ -3,6 +3,12 @@ calibrate.py: stage 2, the budget schedule. Sparrow's idea: the KV pages a decod
 with the cached length, bin by bin, so that the tail of the sparse-to-dense mismatch stays at a
 threshold. Set offline by a sweep, kept on target online by a controller.
 
+    python calibrate.py configs/longcot.py  # -> out/longcot/kv_schedule.json, and the command:
+    python train.py configs/longcot.py --kv_budget=schedule:out/longcot/kv_schedule.json
+    python calibrate.py configs/longcot.py --kv_target=0.9 --calib_prompts=32
+    python train.py configs/longcot.py --kv_budget=calibrate  # the same sweep, at the run's start
+    python calibrate.py --help  # this, then every key (train.py's) with this run's value
+
 What is held per bin (config key kv_hold):
     position  Sparrow's: the 5th percentile (kv_quantile) of the per-position alpha >= kv_target
     rollout   the rollout-level figure: each rollout's summed TV, sum_t (1 - alpha_t), the expected
@@ -10,11 +16,6 @@ What is held per bin (config key kv_hold):
               of TV over the rollouts, scaled to a rollout of mean length (tv_bin_stats),
               <= kv_tv_target. On long exact chains this is the one that sees a failure: a mean
               1 - alpha of 0.009 over 1,000 tokens is 9 partings a rollout while p5 stays high.
-
-    python calibrate.py configs/longcot.py  # -> out/longcot/kv_schedule.json, and the command:
-    python train.py configs/longcot.py --kv_budget=schedule:out/longcot/kv_schedule.json
-    python calibrate.py configs/longcot.py --kv_target=0.9 --calib_prompts=32
-    python train.py configs/longcot.py --kv_budget=calibrate  # the same sweep, at the run's start
 
 A run reads a written schedule only through kv_budget=schedule:PATH: a config whose kv_budget is
 calibrate (configs/longcot.py's) sweeps again at its start (and rewrites out_dir/kv_schedule.json),
@@ -57,8 +58,10 @@ import time
 
 import torch
 
-from config import cli, parse_config
+from config import cli, parse_config, split_args
+from kvcache import KVPool
 from parallel import setup_dist
+from report import help_text
 from rollout import Engine
 from sparsity import (alpha_k, bin_index, bin_stats, dense_alpha, fixed_budget,
                       fraction_budget)
@@ -222,7 +225,8 @@ def sparse_tail(model, tokenizer, prompt_ids, schedule, n_bins, group_size=1, se
     ro = engine.generate(prompt_ids, group_size=group_size, seed=seed)
     alpha = dense_alpha(model, prompt_ids, ro, temperature)
     if hold == "rollout":
-        rows = torch.arange(len(ro))[:, None].expand(ro.mask.shape)[ro.mask]
+        # host, as ro.mask is
+        rows = torch.arange(len(ro), device="cpu")[:, None].expand(ro.mask.shape)[ro.mask]
         st = tv_bin_stats(alpha[ro.mask], ro.budget_dense[ro.mask], rows, schedule.bin_pages,
                           n_bins, q)
         held = st["held"]
@@ -502,7 +506,8 @@ def calibrated_schedule(cfg, model, tok, pool_ids, log=print):
                              temperature=cfg.temperature, page_size=cfg.page_size,
                              topk=cfg.alpha_topk, q=cfg.kv_quantile, scorer=cfg.kv_scorer,
                              dense_layers=cfg.dense_layers, rescore_every=cfg.kv_rescore_every,
-                             stop=[cfg.stop] if cfg.stop else [])
+                             stop=[cfg.stop] if cfg.stop else [], kv_dtype=cfg.kv_dtype,
+                             pool=KVPool())  # the run's KV dtype; one pool for every candidate
     log(f"calibrated in {time.perf_counter() - t0:.0f} s: table {sched.table} (pages read per bin "
         f"of {cfg.kv_bin_pages} pages)")
     return sched
@@ -563,7 +568,8 @@ def main(argv):
 def reuse_command(argv, path, cfg):
     """The train.py command line that trains on the schedule at `path`: calibrate.py's own
     arguments (config file, overrides), kv_budget=schedule:PATH, and the controller on."""
-    args = [a for a in argv if not a.startswith("--kv_budget=")]
+    files, keys = split_args(argv)  # every key as --key=value, whichever form was typed
+    args = files + [f"--{k}={v}" for k, v in keys.items() if k != "kv_budget"]
     args.append(f"--kv_budget=schedule:{path}")
     if not cfg.kv_controller:
         args.append("--kv_controller=true")
@@ -571,4 +577,4 @@ def reuse_command(argv, path, cfg):
 
 
 if __name__ == "__main__":
-    sys.exit(cli(main, sys.argv[1:]))
+    sys.exit(cli(main, sys.argv[1:], lambda argv: help_text(argv, __doc__)))

@@ -3,12 +3,20 @@ checkpoint.py: atomic save and exact resume.
 
     python train.py --save_every=20  # out_dir/ckpt, rewritten every 20 steps and at the end
     python train.py --resume=true    # continue from out_dir/ckpt: the same next loss as unbroken
+    python train.py --resume=true --steps=300 --resume_override=steps  # ... on a longer schedule
     python train.py --overwrite=true # replace the run in out_dir (without it, the run is refused)
 
 The run's folder (claim_out_dir, before any work): a run refuses an out_dir that holds a run (a
 checkpoint or metrics.jsonl) unless resume=true continues it or overwrite=true replaces it, and
-resume=true refuses one without a checkpoint. Ctrl-C prints resume_note: the step the run was at,
-the last checkpoint and its step, and the command that resumes.
+resume=true refuses one without a checkpoint. A resume keeps the checkpoint's settings: one that
+changes the run's maths (steps, lr, ...; any key but RESUME_FREE) is refused unless
+--resume_override=KEY,... names it, and the first run's config.json is kept beside the resume's
+config.resume-<step>.json. A finished run resumed says "already complete" and does nothing. Ctrl-C
+prints resume_note: the step the run was at, the last checkpoint and its step, and the command that
+resumes.
+
+trained_config reads what a saved folder records of the data it was trained on (a checkpoint's
+config, a warm start's sft_key.json, roi.py's nm.json): roi.py fits its masks on that data.
 
 A checkpoint is a Hugging Face folder (config.json, model.safetensors, the tokenizer), so
 transformers and other engines load the trained model as it is, plus trainer_state.pt: the step, the
@@ -42,6 +50,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
+from config import last_step, split_args
 from model import load_adapter, save_adapter
 
 
@@ -119,25 +128,64 @@ def load_checkpoint(cfg, model, opt, sampler, dev, extra):
     return state["step"], state["history"]
 
 
+def trained_config(model_dir):
+    """What MODEL_DIR records of the data it was trained on -> ({config key: value}, the file) or
+    ({}, ""): trainer_state.pt's config (train.py's checkpoint), sft_key.json (a warm start: its
+    SFT range is the difficulty) or nm.json's (a folder roi.py wrote): the data roi.py fits a mask
+    on."""
+    state, key, nm = (os.path.join(model_dir, f) for f in ("trainer_state.pt", "sft_key.json",
+                                                           "nm.json"))
+    if os.path.exists(state):
+        return torch.load(state, map_location="cpu", weights_only=False, mmap=True)["config"], state
+    if os.path.exists(key):
+        with open(key) as f:
+            rec = json.load(f)
+        return {"task": "synthetic", **rec, "sft_seed": rec.get("seed", -1),
+                "difficulty": rec["sft_difficulty"]}, key  # a synthetic key names no task
+    if os.path.exists(nm):
+        with open(nm) as f:
+            rec = json.load(f).get("config", {})
+        return rec, nm if rec else ""
+    return {}, ""
+
+
 # ----------------------------------------------------------------------------- the run's folder
 
 RUN_FILES = ("ckpt", "ckpt.old", "metrics.jsonl")  # what says that a folder holds a run
-REPLACED = RUN_FILES + ("ckpt.tmp", "run.png")  # what overwrite=true removes
+REPLACED = RUN_FILES + ("ckpt.tmp", "run.png", "ledger.png", "summary.json")  # overwrite removes
+# the keys a resume may change freely: where the run writes and how often, what it shows, the
+# machine it runs on, and where it stops on its schedule; any other change is the run's maths
+RESUME_FREE = ("out_dir", "resume", "resume_override", "overwrite", "threads", "device",
+               "eval_every", "save_every", "plot", "tracker", "stop_at")
 
 
 def claim_out_dir(cfg, rank=0, log=print):
-    """Before any work: out_dir is this run's. resume=true needs a checkpoint there; otherwise a
-    folder that holds a run (a checkpoint or metrics.jsonl) is refused, unless overwrite=true,
-    which removes that run's checkpoint, metrics.jsonl and run.png (rank 0). Then rank 0 writes
-    the config to out_dir/config.json."""
+    """Before any work: out_dir (a folder, for a run of at least one step) is this run's.
+    resume=true needs a checkpoint there (check_resume); otherwise a folder that holds a run (a
+    checkpoint or metrics.jsonl) is refused, unless overwrite=true, which removes that run's
+    checkpoint, metrics.jsonl, pictures and summary.json (REPLACED; rank 0). Then rank 0 writes
+    the config to out_dir/config.json (a resume: config.resume-<step>.json, the first run's
+    kept). -> True when a resumed run is already complete: nothing to do."""
+    if not cfg.out_dir:
+        raise ValueError("config key 'out_dir' is empty: give the run a folder, e.g. "
+                         "--out_dir=out/run")
+    if cfg.steps < 1:  # a run of no steps would leave a folder that holds no run
+        raise ValueError(f"config key 'steps' is {cfg.steps}: nothing to run; give --steps=1 or "
+                         f"more (python train.py --help shows the config without running)")
     if cfg.resume and cfg.overwrite:
         raise ValueError("config keys 'resume' and 'overwrite': choose one (resume continues the "
                          "run in out_dir, overwrite replaces it)")
-    if cfg.resume and find_checkpoint(cfg.out_dir) is None:
-        what = ("does not exist" if not os.path.isdir(cfg.out_dir) else
-                "holds no checkpoint (ckpt/trainer_state.pt)")
-        raise FileNotFoundError(f"resume=true, but out_dir {cfg.out_dir} {what}: give the "
-                                f"--out_dir= of the run to continue, or leave out --resume=true")
+    if cfg.resume_override and not cfg.resume:
+        raise ValueError("config key 'resume_override' names the keys a resume may change: it "
+                         "needs --resume=true")
+    saved = check_resume(cfg) if cfg.resume else None
+    if saved is not None and saved > last_step(cfg):
+        more = ("a larger --stop_at" if cfg.stop_at and cfg.stop_at < cfg.steps else
+                "a larger --steps and --resume_override=steps")
+        log(f"out_dir {cfg.out_dir}: the run is already complete ({saved} of {last_step(cfg) + 1}"
+            f" steps; its log is metrics.jsonl, its plot run.png); to train it longer, resume "
+            f"with {more}")
+        return True
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(cfg.out_dir, f))]
     if held and not cfg.resume and not cfg.overwrite:
         raise FileExistsError(
@@ -154,8 +202,39 @@ def claim_out_dir(cfg, rank=0, log=print):
                 os.remove(f)
     os.makedirs(cfg.out_dir, exist_ok=True)
     if rank == 0:
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        name = f"config.resume-{saved}.json" if cfg.resume else "config.json"
+        with open(os.path.join(cfg.out_dir, name), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
+    return False
+
+
+def check_resume(cfg):
+    """resume=true: out_dir's checkpoint, and this run's settings against the ones it was saved
+    with: a key that changes the run's maths (any key but RESUME_FREE) may differ only where
+    resume_override names it. -> the step the run continues from."""
+    path = find_checkpoint(cfg.out_dir)
+    if path is None:
+        what = ("does not exist" if not os.path.isdir(cfg.out_dir) else
+                "holds no checkpoint (ckpt/trainer_state.pt)")
+        raise FileNotFoundError(f"resume=true, but out_dir {cfg.out_dir} {what}: give the "
+                                f"--out_dir= of the run to continue, or leave out --resume=true")
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", mmap=True,
+                       weights_only=False)
+    now, was = dataclasses.asdict(cfg), json.loads(json.dumps(state["config"]))
+    named = cfg.resume_override.split(",") if cfg.resume_override else []
+    unknown = [k for k in named if k not in now]
+    if unknown:
+        raise ValueError(f"config key 'resume_override' names {', '.join(unknown)}, which are "
+                         f"not config keys")
+    moved = [k for k in now if k in was and k not in RESUME_FREE + tuple(named)
+             and json.loads(json.dumps(now[k])) != was[k]]
+    if moved:
+        what = ", ".join(f"{k} {was[k]!r} -> {now[k]!r}" for k in moved)
+        raise ValueError(f"resume=true: this run changes {what} from the checkpoint's config "
+                         f"({path}), which changes the run's maths (steps: the learning-rate "
+                         f"schedule): keep the checkpoint's values, or say so with "
+                         f"--resume_override={','.join(moved)}")
+    return state["step"]
 
 
 def saved_step(out_dir):
@@ -179,7 +258,10 @@ def resume_note(cfg, step, argv, end):
              "start's evaluation)")
     started = any(os.path.exists(os.path.join(cfg.out_dir, f)) for f in RUN_FILES)
     flag = ["--resume=true"] if path else ["--overwrite=true"] if started else []
-    args = [a for a in argv if not a.startswith(("--resume=", "--overwrite="))] + flag
+    files, keys = split_args(argv)  # every key as --key=value, whichever form was typed
+    drop = ("resume", "overwrite") + (() if path else ("resume_override",))  # the flag says which
+    args = files + [f"--{k}={v}" for k, v in keys.items() if k not in drop]
+    args += flag
     script = sys.argv[0] if os.path.basename(sys.argv[0]) == "train.py" else "train.py"
     world = int(os.environ.get("WORLD_SIZE", 1))
     run = f"torchrun --nproc_per_node={world}" if world > 1 else "python"

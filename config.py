@@ -7,11 +7,12 @@ config.py: every setting of a run, in one place.
 
 `Config` holds every key with its default (defaults for a real model on one GPU). A config file is
 Python: a short list of commented assignments of Config's fields; `configs/tiny.py` applies whenever
-no config file is given. Command-line overrides are --key=value, parsed as Python literals. Unknown
-keys (with a suggestion) and wrong types are errors that name the key. train.py writes the config a
-run used to out_dir/config.json. `cli` runs an entry point: a user's error is one line (exit code
-2), Ctrl-C one note (exit code 130), and --help the entry point's text (train.py: report.help_text,
-which reads each key's description from its comments in Config).
+no config file is given. Command-line overrides are --key=value or --key value (a bool key alone,
+--resume, means true), parsed as Python literals. Unknown keys (with a suggestion) and wrong types
+are errors that name the key. train.py writes the config a run used to out_dir/config.json (a
+resume, to config.resume-<step>.json). `cli` runs an entry point: a user's error is one line (exit
+code 2), Ctrl-C one note (exit code 130), and --help the entry point's text (train.py:
+report.help_text, which reads each key's description from its comments in Config).
 """
 
 import ast
@@ -36,6 +37,8 @@ class Config:
     # none | bfloat16: compute dtype of rollouts and training forwards on CUDA
     autocast: str = "none"
     resume: bool = False  # continue from out_dir/ckpt
+    # resume: keys (e.g. steps,lr) that may differ from the checkpoint's (checkpoint.RESUME_FREE)
+    resume_override: str = ""
     # replace the run already in out_dir (its checkpoint, metrics.jsonl and run.png); without it
     # (or resume), a run refuses a folder that holds one
     overwrite: bool = False
@@ -43,6 +46,9 @@ class Config:
     # model: a hub name or a local HF folder; empty = the tiny model below, warm-started by SFT
     model: str = ""
     chat_template: bool = True  # use the tokenizer's chat template when it has one
+    # false: the template renders the prompt with thinking off (Qwen3's enable_thinking=False: an
+    # empty <think></think> block, so the answer starts at once)
+    chat_thinking: bool = True
     n_layer: int = 4
     n_embd: int = 128
     n_head: int = 4
@@ -54,15 +60,17 @@ class Config:
     moe_ffn: int = 96
     # data
     # synthetic | gsm8k | math | code (MBPP, rewarded by unit tests in the sandbox) |
-    # reasoning_gym:<name>, one of reasoning-gym's generators (tasks.py: e.g. chain_sum, countdown)
+    # reasoning_gym:<name>, one of reasoning-gym's generators. The tiny model (no --model) has
+    # teacher traces for synthetic, chain_sum and string_splitting only: others need --model
     task: str = "synthetic"
     # reasoning_gym tasks: the generator's settings, its config's fields, e.g. {"min_terms": 2,
     # "max_terms": 4}; checked against the generator's own config when the config is parsed.
     # n_train, n_eval and seed set the sizes and seeds: "size" and "seed" are refused here
     rg_kwargs: dict = field(default_factory=dict)
-    # ... and what differs, merged over rg_kwargs, for the warm start's SFT data and for the
-    # held-out set (e.g. {"max_terms": 4}): RL trains past SFT's range, held out reaches past RL's
+    # ... and what differs, merged over rg_kwargs, for the warm start's SFT data (e.g.
+    # {"max_terms": 4}: RL trains past SFT's range)
     sft_rg_kwargs: dict = field(default_factory=dict)
+    # ... and for the held-out set (e.g. {"max_terms": 12}: held out reaches past RL's range)
     eval_rg_kwargs: dict = field(default_factory=dict)
     # question: the prompt is the item's question and tasks.RG_INSTRUCTION; expression: its
     # metadata's expression and "=" alone (chain_sum: "47+35-19="), compact for the character model;
@@ -111,6 +119,14 @@ class Config:
     top_p: float = 1.0
     stop: str = ""  # a stop string (besides EOS); empty = none
     page_size: int = 16  # KV-cache page, in tokens
+    # the KV cache's dtype: auto | float32 | bfloat16; auto is bfloat16 on CUDA (half of fp32's
+    # bytes, and the kernel's tensor-core path) and the rollout model's weight dtype elsewhere
+    kv_dtype: str = "auto"
+    # the KV pool's capacity in tokens, allocated once and reused by every generate call (rollout,
+    # dense comparison, held-out evaluation, which splits its prompts into calls that fit); 0 =
+    # one rollout batch: prompts_per_step groups, each group's prompt pages once plus group_size
+    # rows of max_new_tokens, at the longest training prompt, in pages (rollout.pool_pages)
+    kv_pool_tokens: int = 0
     # KV pages read per decode step: dense | fraction:F | fixed:N | table:N1,N2,... |
     # schedule:PATH (a table written by calibrate.py) | calibrate (calibrate.py's sweep at start)
     kv_budget: str = "dense"
@@ -132,7 +148,8 @@ class Config:
     kv_hold: str = "position"
     kv_target: float = 0.86  # Sparrow's threshold for the 5th percentile of alpha in each bin
     kv_tv_target: float = 0.5  # kv_hold=rollout: expected parting positions, per rollout's tail
-    # sparse: sample from the (sparse-KV) rollout engine, lossy, measured and IS-corrected;
+    # sparse: sample from the (sparse-KV) rollout engine, lossy, measured and IS-corrected; with
+    # kv_budget=dense (the default) it reads every page: plain dense decoding;
     # speculative: the sparse-KV policy drafts spec_k tokens, the dense one verifies: exact samples
     rollout_mode: str = "sparse"
     spec_k: int = 8
@@ -187,6 +204,9 @@ class Config:
     passes: int = 1  # optimizer passes over each batch
     minibatches: int = 1  # optimizer steps per pass
     micro_batch: int = 8  # sequences per forward/backward
+    # scored positions per projection onto the vocabulary in the log-prob pass: its largest tensor
+    # is (logp_chunk, vocab) fp32 logits, however many positions a micro-batch scores
+    logp_chunk: int = 1024
     # the training forwards run a prompt that a group's rows share once (update.PromptOnce; dense
     # models, unpacked, not under FSDP), its keys and values shared by the rows; false: each row
     # runs its prompt
@@ -222,7 +242,8 @@ class Config:
     mis_low: float = 0.5  # mis: tokens whose ratio leaves [mis_low, mis_high] are dropped
     mis_high: float = 2.0
     adv_eps: float = 1e-6
-    # auto | on | off: pack sequences without padding (flash-attn on CUDA; masked SDPA elsewhere)
+    # auto | on | off: pack sequences without padding. auto: where flash-attn's varlen kernel runs
+    # (CUDA, bf16 by autocast or dtype); on elsewhere: SDPA with one dense (total x total) mask
     pack: str = "auto"
     # evaluation, checkpoints, logs
     eval_every: int = 25
@@ -269,38 +290,54 @@ def _typecheck(key, value, default):
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
 
-def parse_config(argv):
-    """argv: [config_file.py] [--key=value ...] -> Config. Without a config file, configs/tiny.py
-    applies. A --task that differs from the file's drops the file's reasoning-gym keys (RG_KEYS):
-    they belong to its task (`python train.py --task=gsm8k` on the default's chain_sum)."""
-    cfg = Config()
-    defaults = dataclasses.asdict(cfg)
-    files, cli = {}, {}
-    if not any(not a.startswith("--") for a in argv):
-        argv = [TINY] + list(argv)
-    for arg in argv:
-        if arg.startswith("--"):
-            if "=" not in arg:
-                raise ValueError(f"argument {arg!r} must look like --key=value")
-            k, v = arg[2:].split("=", 1)
+def split_args(argv):
+    """argv -> (config files, {key: value as typed}). A key is --key=value or --key value; a bool
+    key alone (--resume) means true. Files apply first, in order, then the keys."""
+    keys, files, cli, i = dataclasses.asdict(Config()), [], {}, 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        k, eq, v = arg[2:].partition("=")
+        flag = isinstance(keys.get(k), bool)
+        if not arg.startswith("-"):
+            files.append(arg)
+        elif not arg.startswith("--"):
+            raise ValueError(f"argument {arg!r}: a key takes two dashes, --key=value or "
+                             f"--key value")
+        elif eq:
             cli[k] = v
+        elif i < len(argv) and not argv[i].startswith("--") and (
+                not flag or argv[i].lower() in ("true", "false", "1", "0")):
+            cli[k], i = argv[i], i + 1  # --key value (an unknown key: parse_config names it)
+        elif flag or k not in keys:
+            cli[k] = "true"  # a bool key alone: --resume
         else:
-            ns = {}
-            if not os.path.exists(arg):
-                raise FileNotFoundError(f"config file {arg!r} does not exist")
-            with open(arg) as f:
-                exec(compile(f.read(), arg, "exec"), {}, ns)
-            files.update({k: v for k, v in ns.items() if not k.startswith("_")})
+            raise ValueError(f"config key '{k}' has no value: give --{k}=VALUE or --{k} VALUE")
+    return files, cli
+
+
+def parse_config(argv):
+    """argv: [config_file.py] [--key=value | --key value | --flag ...] -> Config. Without a config
+    file, configs/tiny.py applies. A --task that differs from the file's drops the file's
+    reasoning-gym keys (RG_KEYS): they belong to its task (`python train.py --task=gsm8k` on the
+    default's chain_sum)."""
+    cfg, (paths, cli), files = Config(), split_args(argv), {}
+    defaults = dataclasses.asdict(cfg)
+    for arg in paths or [TINY]:
+        ns = {}
+        if not os.path.exists(arg):
+            raise FileNotFoundError(f"config file {arg!r} does not exist")
+        with open(arg) as f:
+            exec(compile(f.read(), arg, "exec"), {}, ns)
+        files.update({k: v for k, v in ns.items() if not k.startswith("_")})
     if "task" in cli and cli["task"] != files.get("task"):  # the file's task settings go with it
         files = {k: v for k, v in files.items() if k not in RG_KEYS}
-    overrides = {**files, **cli}
-    for k, v in overrides.items():
+    for k, v in {**files, **cli}.items():
         if k not in defaults:
             near = difflib.get_close_matches(k, defaults, n=1)
             raise ValueError(f"unknown config key '{k}'"
                              + (f" (did you mean '{near[0]}'?)" if near else ""))
         setattr(cfg, k, _typecheck(k, v, defaults[k]))
-    check(cfg)
+    check(cfg, typed=cli)
     return cfg
 
 
@@ -312,6 +349,7 @@ CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("float32", "bfloat16"),
            "autocast": ("none", "bfloat16"),
            "order": ("defined", "shuffled", "marked", "lagged"),
            "kv_scorer": ("centroid", "quest", "oracle"), "kv_hold": ("position", "rollout"),
+           "kv_dtype": ("auto", "float32", "bfloat16"),
            "rollout_mode": ("sparse", "speculative"),
            "sampler": ("growth", "uniform"), "is_correction": ("none", "tis", "mis"),
            "pack": ("auto", "on", "off"), "kl_loss": ("k2", "k3"), "adv_norm": ("std", "none"),
@@ -323,9 +361,9 @@ POSITIVE = ("lr", "sft_lr", "sft_steps", "sft_batch", "n_eval", "n_layer", "n_em
             "kv_bin_pages", "kv_rescore_every", "spec_k",
             "calib_prompts", "distill_lr", "judge_timeout_s", "alpha_topk", "grad_clip", "passes",
             "minibatches", "micro_batch", "lora_alpha", "is_cap", "adv_eps", "eval_every",
-            "save_every", "max_skipped")
+            "save_every", "max_skipped", "logp_chunk")
 NON_NEGATIVE = ("seed", "stop_at", "threads", "n_train", "dense_layers", "kv_compare_every",
-                "kv_keep_first", "kv_keep_recent", "spec_k_max",
+                "kv_keep_first", "kv_keep_recent", "spec_k_max", "kv_pool_tokens",
                 "distill_r", "distill_coef", "refill_tries", "min_spread", "max_chars",
                 "overlong_buffer", "overlong_penalty", "steps", "warmup_steps", "weight_decay",
                 "clip_high", "kl_coef", "lora_r", "rollout_ranks", "sft_noise", "n_expert",
@@ -334,7 +372,7 @@ UNIT = ("sft_noise", "sft_slip", "top_p", "kv_target", "explore", "min_lr_ratio"
         "clip_low")  # within [0, 1]
 
 
-def check(cfg):
+def check(cfg, typed=()):
     """Every value that can be checked before the run starts, each error naming its key: a typo
     costs a second, not a warm start."""
     bad = lambda k, want: ValueError(f"config key '{k}' must be {want}, got {getattr(cfg, k)!r}")
@@ -413,7 +451,7 @@ def check(cfg):
                          f"installed: `pip install {cfg.tracker}`, or --tracker=none")
     check_kv_budget(cfg)
     check_processes(cfg)
-    check_task(cfg)
+    check_task(cfg, typed)
 
 
 def check_kv_budget(cfg):
@@ -467,13 +505,19 @@ RG_PREFIX = "reasoning_gym:"
 RG_KEYS = ("rg_kwargs", "sft_rg_kwargs", "eval_rg_kwargs", "rg_prompt")  # a task's own settings
 # reasoning-gym tasks whose traces the tiny model's teacher writes (warmstart.teacher_trace)
 TEACHER_TASKS = ("chain_sum", "string_splitting")
+# ... their traces' tokens (a character each), at least, from an item's metadata; a config for each
+TRACE_TOKENS = {"chain_sum": lambda m: 4 * m["num_terms"] + 7,
+                "string_splitting": lambda m: 20 * len(m["states"]) + 16}
+TASK_CONFIGS = {"chain_sum": "configs/tiny.py", "string_splitting": "configs/splitting.py"}
 
 
-def check_task(cfg):
+def check_task(cfg, typed=()):
     """task and its reasoning-gym settings. A reasoning_gym task names one of the library's
     generators; rg_kwargs, and rg_kwargs merged with sft_rg_kwargs or eval_rg_kwargs, may set only
     the fields of that generator's config (its own validate() then checks their values): a
-    misspelt name or setting is refused here, with the names it could be."""
+    misspelt name or setting is refused here, with the names it could be. So is a max_new_tokens
+    from a config file (not `typed` on the command line) that would cut most of the tiny model's
+    teacher traces: `--task=` on a config made for another task keeps the file's length."""
     rg_keys = RG_KEYS[:3]
     if not cfg.task.startswith(RG_PREFIX):
         if cfg.task not in ("synthetic", "gsm8k", "math", "code"):
@@ -508,6 +552,15 @@ def check_task(cfg):
         raise ValueError(f"config key 'task' ({cfg.task}) needs model=<a hub name or folder>: "
                          f"the tiny model's warm start has teacher traces only for "
                          f"{', '.join(TEACHER_TASKS)} and the synthetic task")
+    if cfg.model or "max_new_tokens" in typed:  # a model's own traces; a length chosen here
+        return
+    items = DATASETS[name][0](DATASETS[name][1](**cfg.rg_kwargs, size=16, seed=cfg.seed))
+    need = sorted(TRACE_TOKENS[name](it["metadata"]) for it in items)
+    if need[len(need) // 2] > cfg.max_new_tokens:  # a rollout cut there scores 0: most would be
+        raise ValueError(f"config key 'max_new_tokens' ({cfg.max_new_tokens}) is shorter than "
+                         f"most {name} teacher traces ({need[0]} to {need[-1]} tokens in 16 "
+                         f"items): raise it (--max_new_tokens={1 << need[-1].bit_length()}), or "
+                         f"start from {TASK_CONFIGS[name]}, whose settings fit the task")
 
 
 def check_rg_prompt(prompt, name, item):

@@ -36,19 +36,23 @@ Simplifications:
     2. The full dense distribution is kept at every scored position: (tokens, vocab) floats. Fine
        for the synthetic task's 40 tokens; a 150k vocabulary would want the top-k
        (sparsity.alpha_topk's lists).
-    3. Replay masks are dense (B, H_kv, T, T) booleans per sparse layer: a reference, sized for
-       micro-batches.
+    3. Replay masks are dense (B, H_kv, T, T) booleans, made for each sparse layer as it attends
+       (and repeated to the query heads): a reference, sized for micro-batches.
+    4. Under autocast (the run's `autocast` key) each replay forward enters its own context; the
+       adapter's optimizer step runs outside it, as the policy's does (update.train_on).
 
 Tests: `python -m pytest tests/test_distill.py`.
 """
 
+import contextlib
 import copy
 import time
 
 import torch
 import torch.nn.functional as F
 
-from model import add_lora, lora_modules
+from lora import add_lora, lora_modules
+from model import repeat_kv
 
 
 class ReplayCache:
@@ -63,8 +67,8 @@ class ReplayCache:
     and densely, as the engine's prefill did."""
 
     def __init__(self, read_pages, prompt_lens, page_size, dense_layers):
-        self.read, self.plen = read_pages, torch.as_tensor(prompt_lens)
-        self.ps, self.dl, self._masks = page_size, dense_layers, {}
+        self.read, self.plen = read_pages, torch.as_tensor(prompt_lens, device=read_pages.device)
+        self.ps, self.dl = page_size, dense_layers
 
     def positions(self, T):
         return torch.arange(T, device=self.read.device).expand(len(self.plen), T)
@@ -73,31 +77,31 @@ class ReplayCache:
         pass
 
     def mask(self, layer, T, device):
-        """(B, H_kv, T, T) bool: query t may attend key j."""
-        if layer not in self._masks:
-            B, Tc, _, H, P = self.read.shape
-            t = torch.arange(T)
-            c = t[None] - self.plen[:, None] + 1  # (B, T) the completion token each query produces
-            replay = (c >= 1) & (c < Tc)  # token 0 came from the dense prefill: nothing to replay
-            # (B, T, H, P): the pages read for that token (clamped rows are masked out by `replay`)
-            sel = self.read[torch.arange(B)[:, None], c.clamp(0, Tc - 1), layer - self.dl]
-            # (B, H, Tq, Tk): key j is allowed when its logical page j // page_size was read
-            allowed = sel[..., (t // self.ps).clamp(max=P - 1)].permute(0, 2, 1, 3)
-            causal = t[None, :] <= t[:, None]  # (Tq, Tk)
-            m = torch.where(replay[:, None, :, None], allowed & causal, causal)  # prompt: causal
-            # a query that read no page (a record padded to a longer try's) may see itself: an
-            # all-masked row is NaN on some attention backends and 0 on others; its output is unused
-            m = m | (~m.any(-1, keepdim=True) & torch.eye(T, dtype=torch.bool))
-            self._masks[layer] = m.to(device)
-        return self._masks[layer]
+        """(B, H_kv, T, T) bool: query t may attend key j. Made when the layer attends and not kept
+        (one layer's dense mask at a time; autograd keeps what the backward needs)."""
+        read, plen = self.read.to(device), self.plen.to(device)
+        B, Tc, _, H, P = read.shape
+        t = torch.arange(T, device=device)
+        c = t[None] - plen[:, None] + 1  # (B, T) the completion token each query produces
+        replay = (c >= 1) & (c < Tc)  # token 0 came from the dense prefill: nothing to replay
+        # (B, T, H, P): the pages read for that token (clamped rows are masked out by `replay`)
+        sel = read[torch.arange(B, device=device)[:, None], c.clamp(0, Tc - 1), layer - self.dl]
+        # (B, H, Tq, Tk): key j is allowed when its logical page j // page_size was read
+        allowed = sel[..., (t // self.ps).clamp(max=P - 1)].permute(0, 2, 1, 3)
+        causal = t[None, :] <= t[:, None]  # (Tq, Tk)
+        m = torch.where(replay[:, None, :, None], allowed & causal, causal)  # prompt: causal
+        # a query that read no page (a record padded to a longer try's) may see itself: an
+        # all-masked row is NaN on some attention backends and 0 on others; its output is unused
+        return m | (~m.any(-1, keepdim=True) & (t[None, :] == t[:, None]))
 
     def attend(self, layer, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
         if layer < self.dl:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         m = self.mask(layer, q.shape[2], q.device)
-        # query head h reads KV head h // (Hq / Hkv)
+        # query head h reads KV head h // (Hq / Hkv); with a mask, SDPA's GQA is the math kernel's
+        # alone, so the KV heads are repeated instead
         m = m.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, *repeat_kv(k, v, q.shape[1]), attn_mask=m)
 
 
 def replay_logprobs(model, ids, tmask, read_pages, prompt_lens, page_size, dense_layers,
@@ -118,7 +122,7 @@ class DistillSparse:
     docstring)."""
 
     def __init__(self, policy, r=8, alpha=16.0, lr=1e-3, coef=1.0, pg=False, page_size=16,
-                 dense_layers=2, temperature=1.0, micro_batch=16):
+                 dense_layers=2, temperature=1.0, micro_batch=16, amp=None):
         if lora_modules(policy):
             raise ValueError("DistillSparse needs a full-weight policy (lora_r = 0): its adapter "
                              "sits on a copy")
@@ -127,6 +131,8 @@ class DistillSparse:
                                      weight_decay=0.0)
         self.coef, self.pg, self.ps, self.dl = coef, pg, page_size, dense_layers
         self.temperature, self.mbs = temperature, micro_batch
+        # entered around each replay forward, never around the step (see update.train_on)
+        self.amp = contextlib.nullcontext() if amp is None else amp
 
     @classmethod
     def for_run(cls, cfg, model, budget, world):
@@ -138,9 +144,11 @@ class DistillSparse:
                if hit]
         if bad:
             raise ValueError(f"config key 'distill_r' needs {', '.join(bad)}")
+        amp = torch.autocast(model.lm_head.weight.device.type, torch.bfloat16,
+                             enabled=cfg.autocast == "bfloat16")  # as train.py's run.amp
         return cls(model, cfg.distill_r, lr=cfg.distill_lr, coef=cfg.distill_coef,
                    pg=cfg.distill_pg, page_size=cfg.page_size, dense_layers=cfg.dense_layers,
-                   temperature=cfg.temperature, micro_batch=cfg.micro_batch)
+                   temperature=cfg.temperature, micro_batch=cfg.micro_batch, amp=amp)
 
     def step_on(self, kept, prompt_lens, group_size, ids, tmask, dense_full, pg_term=None):
         """`update` on train.py's kept groups (their 6th field: the rows' ro.read_pages), whose page
@@ -152,11 +160,12 @@ class DistillSparse:
         rows, steps, pages = (sum(len(x) for x in sel), max(x.shape[1] for x in sel),
                               max(x.shape[4] for x in sel))
         shape = (rows, steps, *sel[0].shape[2:4], pages)
-        pages, i = torch.zeros(shape, dtype=torch.bool), 0
+        # on the host on purpose, as the records are: assembled here, copied to the device once
+        pages, i = torch.zeros(shape, dtype=torch.bool, device="cpu"), 0
         for x in sel:
             pages[i:i + len(x), :x.shape[1], :, :, :x.shape[4]] = x
             i += len(x)
-        plen = torch.tensor(prompt_lens).repeat_interleave(group_size)
+        plen = torch.tensor(prompt_lens, device=ids.device).repeat_interleave(group_size)
         return self.update(ids, tmask, pages.to(ids.device), plen, dense_full, pg_term)
 
     @torch.no_grad()
@@ -180,10 +189,11 @@ class DistillSparse:
         offsets = F.pad(tmask.sum(1).cumsum(0), (1, 0))
         self.opt.zero_grad(set_to_none=True)
         kl_sum = 0.0
-        for rows in torch.arange(ids.shape[0]).split(self.mbs):
+        for rows in torch.arange(ids.shape[0], device=ids.device).split(self.mbs):
             a, b = int(offsets[rows[0]]), int(offsets[rows[-1] + 1])
-            lp, full = replay_logprobs(self.model, ids[rows], tmask[rows], read_pages[rows],
-                                       prompt_lens[rows], self.ps, self.dl, self.temperature)
+            with self.amp:  # the forward only: the backward and the step run outside it
+                lp, full = replay_logprobs(self.model, ids[rows], tmask[rows], read_pages[rows],
+                                           prompt_lens[rows], self.ps, self.dl, self.temperature)
             pd = dense_full[a:b]
             kl = (pd.exp() * (pd - full)).sum(-1)  # KL(dense || sparse) per token
             loss = self.coef * kl.sum()

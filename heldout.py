@@ -11,7 +11,10 @@ held-out set and the figures are gathered, so every rank returns the same number
 
 Simplifications:
     1. Greedy evaluation runs on the policy itself (run.greedy), not the rollout copy.
-    2. Sampled evaluation draws with seed 0 at the rollout temperature, about 2,048 rows a call.
+    2. Sampled evaluation draws with seed 0 at the rollout temperature.
+    3. A generate call holds as many prompts as the run's KV pool fits (config key kv_pool_tokens;
+       rollout.Engine.calls): greedy figures do not depend on the cut, sampled ones draw a
+       different stream for each call's rows.
 """
 
 import torch
@@ -54,16 +57,19 @@ def evaluate(cfg, run, k=1, texts=()):
     {index: (completion, reward)} (the before/after examples)."""
     me, n, ks = run.role.me, run.role.n, pass_ks(k)
     mine, scores, shown = list(range(me, len(run.eval_p), n)), [], {}
-    per = max(1, 2048 // k)  # prompts per generate: at most about 2,048 rows in the KV cache
+    # sampled: on the policy, over the run's KV pool (the rollout engine's), in its dtype
     engine = run.greedy if k == 1 else Engine(run.greedy.model, temperature=cfg.temperature,
                                               tokenizer=run.tok, max_new_tokens=cfg.max_new_tokens,
-                                              stop=run.greedy.stop)
-    for a in range(0, len(mine), per):
-        chunk = mine[a:a + per]
-        ro = engine.generate([run.eval_ids[i] for i in chunk], k, seed=0)
+                                              stop=run.greedy.stop, kv_dtype=cfg.kv_dtype,
+                                              page_size=run.greedy.page_size,
+                                              pool=run.sparse.pool)
+    prompts = [run.eval_ids[i] for i in mine]
+    for a, b in engine.calls(prompts, k):  # as many prompts a call as the KV pool holds
+        chunk = mine[a:b]
+        ro = engine.generate(prompts[a:b], k, seed=0)
         res = run.cascade.score_batch([run.eval_p[i] for i in chunk for _ in range(k)], ro.texts,
                                       group_size=k, finish=ro.finish)
-        r = torch.tensor(res.rewards).view(-1, k)
+        r = torch.tensor(res.rewards, device="cpu").view(-1, k)  # host: scored and kept there
         scores += [(run.eval_p[i].meta.get("difficulty"), x.mean().item(), *pass_at(x, ks))
                    for i, x in zip(chunk, r)]
         shown.update({i: (ro.texts[j * k], res.rewards[j * k]) for j, i in enumerate(chunk)

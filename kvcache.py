@@ -4,7 +4,8 @@ tables, lanes, the shared prompt's pages, and the decode step's attention, dense
 a sparse selection picks.
 
     cache = PagedKVCache(model.config, num_seqs, max_pages, num_pages, page_size, dtype, device,
-                         budget=fraction_budget(1 / 8), scorer="centroid", rescore_every=1)
+                         budget=fraction_budget(1 / 8), scorer="centroid", rescore_every=1,
+                         pool=KVPool())  # storage kept across calls (None: the cache's own)
     cache.begin_prefill(groups)  # [(prompt length, rows)]: a shared prompt's full pages stored once
     cache.begin_decode(rows)     # one new token per live row: the step's index tensors
     model(tokens, cache=cache)   # the model calls cache.positions, cache.attend, cache.advance
@@ -12,7 +13,8 @@ a sparse selection picks.
     cache.truncate(row, n)       # and a row cut back to n tokens after a rejection
 
 The engine (rollout.Engine) makes one per generate call and drives it; the model reaches it through
-`positions`, `attend` (each layer) and `advance`.
+`positions`, `attend` (each layer) and `advance`. Its K, V and metadata are views of a `KVPool`,
+storage that outlives the call: an engine's pool is allocated once and reused by every call.
 
 What it holds:
     1. K and V pools, head-major (L, H_kv, num_pages * page_size, D): a KV head's token slots are
@@ -42,8 +44,8 @@ What it holds:
        decode step. Lanes and the free list both work: a lane's pages are its row's in order.
 
 Simplifications:
-    1. Page bookkeeping lives on the host as Python lists; the device gets a few small index
-       tensors per step (`begin_decode`), which every layer shares.
+    1. Page bookkeeping lives on the host as Python lists; the device gets the step's small index
+       tensors (`begin_decode`), which every layer shares, in one host-to-device copy (`_upload`).
     2. The sparse budget is per row, the same in every sparse layer and KV head; the first
        `dense_layers` layers read every page.
 """
@@ -77,6 +79,33 @@ def rescores(step, every):
     return at == (0 if window == 0 else (x ^ (x >> 27)) % every)
 
 
+class KVPool:
+    """The KV cache's storage, kept across generate calls: flat buffers (K, V, the sparse page
+    metadata) that each call's PagedKVCache views from their start. So a run allocates its pool
+    once and reuses it (freeing and reallocating tens of GiB a call fragments the GPU's memory),
+    and the engines that share one (rollout, dense comparison, held-out evaluation) share the
+    memory. tokens: the capacity every call must fit, rounded up to pages (rollout.Engine splits
+    a call that does not; 0: none, and a buffer grows when a call needs more than it holds). A
+    buffer starts at zero and then holds the keys of earlier calls: finite either way, as the
+    kernels need (they read the unwritten tail of a partial page)."""
+
+    def __init__(self, tokens=0):
+        self.tokens, self.bufs = tokens, {}
+
+    def take(self, name, shape, numel, dtype, device):
+        """A view of `shape` at the start of buffer (name, dtype), which is made afresh (zeros)
+        where it holds fewer than max(numel, the view's) elements or lives on another device."""
+        n, key = math.prod(shape), (name, dtype)
+        buf = self.bufs.get(key)
+        if buf is None or buf.numel() < max(n, numel) or buf.device != torch.device(device):
+            self.bufs.pop(key, None)  # the old one goes first: its memory can serve the new one
+            buf = self.bufs[key] = torch.zeros(max(n, numel), dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+    def nbytes(self):
+        return sum(b.numel() * b.element_size() for b in self.bufs.values())
+
+
 class PagedKVCache:
     """K and V pools, a page table per sequence (logical -> physical page), reference counts, and
     lanes = (S prefix slots of P pages, R pages a row) or a free list (lanes=None). The engine lays
@@ -84,19 +113,24 @@ class PagedKVCache:
 
     def __init__(self, cfg, num_seqs, max_pages, num_pages, page_size, dtype, device, budget=None,
                  scorer="centroid", keep_first=1, keep_recent=2, dense_layers=2, lanes=None,
-                 rescore_every=1):
+                 rescore_every=1, pool=None):
         L, self.H, self.D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         self.G = cfg.num_attention_heads // self.H  # query heads per KV head
         self.page_size, self.num_pages, self.lanes = page_size, num_pages, lanes
+        pool = pool if pool is not None else KVPool()  # none given: storage of its own
+        # a capped pool is allocated whole, at its first call
+        room = max(num_pages, -(-pool.tokens // page_size))
+        take = lambda name, *shape: pool.take(name, (L, *shape), L * math.prod(shape) // num_pages
+                                              * room, dtype, device)
         # (L, H_kv, num_pages * page_size, D): head-major, so that a run of token slots of one
         # KV head is contiguous memory; `paged` shows a layer in the kernel's layout
-        self.k = torch.zeros(L, self.H, num_pages * page_size, self.D, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        meta = (L, num_pages, self.H, self.D)  # page metadata, kept only where a selection reads it
-        self.kmean = torch.zeros(meta, dtype=dtype, device=device) if budget is not None else None
+        self.k = take("k", self.H, num_pages * page_size, self.D)
+        self.v = take("v", self.H, num_pages * page_size, self.D)
+        meta = (num_pages, self.H, self.D)  # page metadata, kept only where a selection reads it
+        self.kmean = take("kmean", *meta) if budget is not None else None
         quest = budget is not None and scorer == "quest"
-        self.kmin = torch.zeros(meta, dtype=dtype, device=device) if quest else None
-        self.kmax = torch.zeros(meta, dtype=dtype, device=device) if quest else None
+        self.kmin = take("kmin", *meta) if quest else None
+        self.kmax = take("kmax", *meta) if quest else None
         # (N, max_pages) the device copy of every page table: logical page -> physical page id
         self.table = torch.zeros(num_seqs, max_pages, dtype=torch.int32, device=device)
         self.pages = [[] for _ in range(num_seqs)]  # the host's copy of each page table
@@ -161,14 +195,15 @@ class PagedKVCache:
         holes = sorted(set(range(len(rows))) - {self.lane[r] for r in rows})
         if not holes:  # the rows hold the first lanes already (a verify's rows: the draft's)
             return
-        src, dst = [], []  # pages
+        src, dst, table = [], [], []  # pages; the moved rows' new table entries
         for r, lane in zip([r for r in rows if self.lane[r] >= len(rows)], holes):
             n, self.lane[r] = self.n_shared[r], lane
             src += self.pages[r][n:]
             self.pages[r][n:] = [self._lane_page(r, i) for i in range(len(self.pages[r]) - n)]
             dst += self.pages[r][n:]
-            self.table[r, n:len(self.pages[r])] = torch.tensor(self.pages[r][n:])
-        s, d = (torch.tensor(x, dtype=torch.long, device=self.table.device) for x in (src, dst))
+            table += [(r, n + i, p) for i, p in enumerate(self.pages[r][n:])]
+        self._set_table(table)
+        s, d = self._upload(src, dst)
         for pool in (self.k, self.v):
             pages = pool.unflatten(2, (-1, self.page_size))  # (L, H_kv, pages, page_size, D)
             pages[:, :, d] = pages[:, :, s]
@@ -197,67 +232,89 @@ class PagedKVCache:
         Shared by several rows, its full pages are stored once (refs = len(rows)) and its partial
         last page once per row (eager copy-on-write); a prompt of one row is all its own."""
         ps, dev = self.page_size, self.table.device
-        src_b, src_t, dst, full = [], [], [], []
+        src_b, src_t, dst, full, table = [], [], [], [], []
+        host = lambda x: torch.tensor(x, dtype=torch.long, device="cpu")  # to the device below
 
         def store(i, t, pages, first):  # tokens t of batch row i go to pages from token first
             src_b.append(torch.full_like(t, i))
             src_t.append(t)
-            dst.append(torch.tensor(pages, dtype=torch.long)[(t - first) // ps] * ps + t % ps)
+            dst.append(host(pages)[(t - first) // ps] * ps + t % ps)
         for i, (L, rows) in enumerate(groups):
             n_sh = L // ps if len(rows) > 1 else 0
             first = len(self.prefixes) * (self.lanes[1] if self.lanes else 0)  # its prefix slot
             shared = [self._take(first + j if self.lanes else None, len(rows)) for j in range(n_sh)]
             self.prefixes += [(n_sh * ps, rows)] if n_sh else []
-            store(i, torch.arange(n_sh * ps), shared, 0)
-            own = torch.arange(n_sh * ps, L)  # the tokens each row stores for itself
+            store(i, torch.arange(n_sh * ps, device="cpu"), shared, 0)
+            own = torch.arange(n_sh * ps, L, device="cpu")  # the tokens each row stores for itself
             for r in rows:
                 self.pages[r], self.n_shared[r] = list(shared), n_sh
                 mine = [self._alloc(r) for _ in range(-(-len(own) // ps))]
                 store(i, own, mine, n_sh * ps)
                 self.lens[r] = L
-                self.table[r, :len(self.pages[r])] = torch.tensor(self.pages[r], dtype=torch.int32)
+                table += [(r, j, p) for j, p in enumerate(self.pages[r])]
                 full += mine[:len(own) // ps]
             full += shared
+        self._set_table(table)
         self._mode, self._B, self._groups = "prefill", len(groups), groups
-        self._scatter = [torch.cat(x).to(dev) for x in (src_b, src_t, dst)]
+        # (3, tokens): batch row, position, slot of each prompt token; one copy to the device
+        self._scatter = torch.stack([torch.cat(x) for x in (src_b, src_t, dst)]).to(dev).unbind(0)
         self._filled = torch.tensor(full, dtype=torch.long, device=dev) if full else None
+
+    def _upload(self, *parts):
+        """Lists of ints -> int64 tensors on the cache's device, in one host-to-device copy: a
+        step's small index tensors (a copy each would cost a transfer and a sync each)."""
+        flat = [x for part in parts for x in part]
+        # CPU-GPU sync point: a copy from pageable host memory waits for the device's stream
+        return torch.tensor(flat, dtype=torch.long, device=self.table.device).split(
+            [len(part) for part in parts])
+
+    def _set_table(self, entries):
+        """(row, logical page, physical page) triples into the device's page tables, one copy:
+        the device table follows the host's lists."""
+        if entries:
+            r, j, p = self._upload([x for e in entries for x in e])[0].view(-1, 3).unbind(1)
+            self.table[r, j] = p.to(torch.int32)
 
     def begin_decode(self, rows):
         """One new token for each live sequence in `rows`: open a page where the last one is full,
         then build the step's index tensors, which every layer shares."""
-        ps, dev, cpu = self.page_size, self.table.device, not self.table.is_cuda
+        ps, cpu = self.page_size, not self.table.is_cuda
         if self.lanes is not None and cpu and rows != self._laid:  # rows left since last step
             self._compact(rows)  # (a GPU reads through the page tables: lanes need no order)
         opened = [(r, len(self.pages[r]), self._alloc(r)) for r in rows if self.lens[r] % ps == 0]
-        if opened:  # one scatter for all the new pages: the device table follows the host's lists
-            r, j, p = (torch.tensor(x) for x in zip(*opened))
-            self.table[r.to(dev), j.to(dev)] = p.to(dev, torch.int32)
         lens = [self.lens[r] for r in rows]  # before the new token: its position
         last = [self.pages[r][n // ps] for r, n in zip(rows, lens)]  # the new token's page
         self.n_pages = [n // ps + 1 for n in lens]  # pages cached once the new token is in
         n_full = [(n + 1) // ps for n in lens]
         filled = [p for p, n in zip(last, lens) if (n + 1) % ps == 0]
+        self.n_read, sparse = self.n_pages, self.budget is not None
+        if sparse:
+            self.n_read = [pages_to_read(self.budget, n, f, self.keep_first, self.keep_recent)
+                           for n, f in zip(self.n_pages, n_full)]
+        # the step's index tensors in one copy; dst: the flat slot (page * page_size + offset)
+        # that each new token's K and V go to
+        pos, dst, rows_t, counts, filled_t, new = self._upload(
+            lens, [p * ps + n % ps for p, n in zip(last, lens)], rows,
+            self.n_pages + n_full + self.n_read if sparse else [], filled,
+            [x for o in opened for x in o])
+        if opened:  # the new pages: the device table follows the host's lists
+            r, j, p = new.view(-1, 3).unbind(1)
+            self.table[r, j] = p.to(torch.int32)
         self._mode, self._rows = "decode", rows
-        self._pos = torch.tensor(lens, device=dev)[:, None]  # (B, 1)
-        # (B,) flat slot (page * page_size + offset) that each new token's K and V go to
-        self._dst = torch.tensor([p * ps + n % ps for p, n in zip(last, lens)], device=dev)
-        self._seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev) + 1  # (B,) new one in
+        self._pos, self._dst = pos[:, None], dst  # (B, 1), (B,)
+        self._seq_lens = (pos + 1).to(torch.int32)  # (B,) the new one in
         # (B, P) the live rows' tables, cut to the pages in use: P = the longest row's page count
-        self._table = self.table[torch.tensor(rows, device=dev), :max(self.n_pages)]
+        self._table = self.table[rows_t, :max(self.n_pages)]
         # CPU dense decode without lanes gathers every cached token: slots built once, all layers
         gather = cpu and self.lanes is None
         self._slots = dense_slots(self._table, self._seq_lens, ps) if gather else None
         if self.lanes is not None and cpu:
             self._lay_lanes(rows, lens)
-        self._filled = torch.tensor(filled, dtype=torch.long, device=dev) if filled else None
-        self.n_read = self.n_pages
-        if self.budget is not None:
-            self.n_read = [pages_to_read(self.budget, n, f, self.keep_first, self.keep_recent)
-                           for n, f in zip(self.n_pages, n_full)]
-            self._counts = [torch.tensor(x, dtype=torch.int32, device=dev)
-                            for x in (self.n_pages, n_full, self.n_read)]
+        self._filled = filled_t if filled else None
+        if sparse:  # n_pages, n_full, n_read (B,) int32 each
+            self._counts = list(counts.to(torch.int32).view(3, -1))
         if self.scores is not None:  # kv_rescore_every: the rows' scores and the step's key
-            self._rows_t = torch.tensor(rows, device=dev)
+            self._rows_t = rows_t
             self._key = (tuple(rows), tuple(self.n_pages), tuple(n_full), tuple(self.n_read))
 
     def _lay_lanes(self, rows, lens, new=1):
@@ -302,18 +359,23 @@ class PagedKVCache:
         for r, n in zip(rows, lens):
             while len(self.pages[r]) * ps < n + T:
                 opened.append((r, len(self.pages[r]), self._alloc(r)))
+        # pages the new tokens touch that are full once they are in: their metadata is rewritten
+        filled = [self.pages[r][j] for r, n in zip(rows, lens)
+                  for j in range(n // ps, (n + T) // ps)]
+        # the verify's index tensors in one copy; dst (B * T,): the flat slot of each new token,
+        # batch row-major
+        lens_t, rows_t, self._dst, filled_t, new = self._upload(
+            lens, rows, [self.pages[r][t // ps] * ps + t % ps
+                         for r, n in zip(rows, lens) for t in range(n, n + T)],
+            filled, [x for o in opened for x in o])
         if opened:  # the device table follows the host's lists
-            r, j, p = (torch.tensor(x) for x in zip(*opened))
-            self.table[r.to(dev), j.to(dev)] = p.to(dev, torch.int32)
+            r, j, p = new.view(-1, 3).unbind(1)
+            self.table[r, j] = p.to(torch.int32)
         self._mode, self._rows, self._T = "verify", rows, T
-        self._pos = torch.tensor(lens, device=dev)[:, None] + torch.arange(T, device=dev)  # (B, T)
-        # (B * T,) flat slot of each new token, batch row-major
-        self._dst = torch.tensor([self.pages[r][t // ps] * ps + t % ps
-                                  for r, n in zip(rows, lens) for t in range(n, n + T)],
-                                 device=dev)
-        self._seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev) + T
+        self._pos = lens_t[:, None] + torch.arange(T, device=dev)  # (B, T)
+        self._seq_lens = (lens_t + T).to(torch.int32)
         self.n_pages = self.n_read = [-(-(n + T) // ps) for n in lens]
-        self._table = self.table[torch.tensor(rows, device=dev), :max(self.n_pages)]
+        self._table = self.table[rows_t, :max(self.n_pages)]
         if lanes:  # the cached part: the lanes' index tensors, at the lengths before the T
             self._laid, self._slots = None, None
             self._lay_lanes(rows, lens, new=0)
@@ -324,10 +386,7 @@ class PagedKVCache:
             # (B, 1, T, S): new token i of row b sees the keys at positions <= lens[b] + i
             see = torch.arange(slots.shape[1], device=dev) <= self._pos[:, :, None]
             self._slots, self._see = slots, see[:, None]
-        # pages the new tokens touch that are full once they are in: their metadata is rewritten
-        filled = [self.pages[r][j] for r, n in zip(rows, lens)
-                  for j in range(n // ps, (n + T) // ps)]
-        self._filled = torch.tensor(filled, dtype=torch.long, device=dev) if filled else None
+        self._filled = filled_t if filled else None
         self._laid = None  # lanes: lengths moved by T, not one: the next decode step re-lays
 
     def truncate(self, seq, n):
@@ -377,8 +436,9 @@ class PagedKVCache:
                 self.record.append((self.step, self._rows, layer, sel, n_sel))
             self.read_layer[layer] += n_sel.sum()  # what the selection really reads, all heads
         if sel is None and self.lanes is not None and not q.is_cuda:  # (B, Hkv, G, D) queries
-            y = self._attend_lanes(kp, vp, q[:, :, 0].view(q.shape[0], self.H, -1, self.D))
-            y = y.flatten(1, 2)
+            # in the pool's dtype, as the Triton kernel casts them (kv_dtype may not be q's)
+            qg = q[:, :, 0].view(q.shape[0], self.H, -1, self.D).to(kp.dtype)
+            y = self._attend_lanes(kp, vp, qg).flatten(1, 2).to(q.dtype)
         else:
             y = decode_attention(q[:, :, 0], self.paged(self.k, layer), self.paged(self.v, layer),
                                  self._table, self._seq_lens, sel, n_sel, slots=self._slots,
@@ -446,7 +506,7 @@ class PagedKVCache:
         causal: a (G * T) x T attention over the k and v that the forward just made."""
         B, Hq, T, D = q.shape
         qg = q.reshape(B, self.H, -1, D)  # (B, Hkv, G * T, D): head h * G + g, token i -> g * T + i
-        y, lse = self._attend_lanes(kp, vp, qg, lse=True)
+        y, lse = self._attend_lanes(kp, vp, qg.to(kp.dtype), lse=True)  # the pool's dtype
         s = (qg.float() @ k.float().transpose(-1, -2)) * D ** -0.5  # (B, Hkv, G * T, T)
         s = s.masked_fill(~self._causal, -math.inf)
         lse_new = s.logsumexp(-1)  # finite: every query sees itself

@@ -146,7 +146,7 @@ class Routes:
 
     def take(self, rows):
         """The routes of some rows; the prompts they share stay one entry each."""
-        rows = torch.as_tensor(list(rows), dtype=torch.long)
+        rows = torch.as_tensor(list(rows), dtype=torch.long, device="cpu")  # Routes live there
         used = self.prompt_of[rows].unique()  # sorted
         return Routes([self.prompts[j] for j in used.tolist()],
                       torch.searchsorted(used, self.prompt_of[rows]), self.completion[rows])
@@ -162,7 +162,9 @@ def replay_batch(parts, masks, shape):
     masks, their (rows, T_completion) sampled-token masks -> (B, T, layers, k) int16, -1 where
     nothing was recorded."""
     seqs = [r.sequence(i, int(m[i].sum())) for r, m in zip(parts, masks) for i in range(len(m))]
-    out = torch.full((shape[0], shape[1], *seqs[0].shape[1:]), -1, dtype=torch.int16)
+    # on the host on purpose, as the Routes are: the trainer copies the whole batch to its device
+    out = torch.full((shape[0], shape[1], *seqs[0].shape[1:]), -1, dtype=torch.int16,
+                     device="cpu")
     for b, s in enumerate(seqs):
         out[b, :len(s)] = s
     return out
@@ -199,10 +201,11 @@ class Recorder:
         if not self.layers:
             return None
         L, k = len(self.layers), self.layers[0].k
-        comp = torch.full((self.N, T, L, k), -1, dtype=torch.int16)
+        comp = torch.full((self.N, T, L, k), -1, dtype=torch.int16, device="cpu")  # host: Routes
         for s, (rows, ids) in enumerate(self.steps):  # decode forward s fed completion token s
-            comp[torch.tensor(rows), s] = ids.cpu()
-        return Routes([p.cpu() for p in self.prompts], torch.tensor(self.prompt_of), comp)
+            comp[torch.tensor(rows, device="cpu"), s] = ids.cpu()
+        prompt_of = torch.tensor(self.prompt_of, device="cpu")
+        return Routes([p.cpu() for p in self.prompts], prompt_of, comp)
 
 
 def record_routes(model, N):

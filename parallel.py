@@ -54,6 +54,9 @@ def setup_dist(cfg):
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"config key 'device' is cuda, but this torch ({torch.__version__}) sees "
+                         f"no CUDA device: --device=cpu, or --device=auto (CUDA where found)")
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dev = f"cuda:{torch.cuda.current_device()}"

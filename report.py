@@ -1,11 +1,14 @@
 """
 report.py: what a person reads of a run. The step's log lines, the summary table at the end,
-out_dir/run.png, the hardware line every measured figure names, and the experiment tracker
-(`tracker` in config.py) that gets the same figures. train.py calls these; every figure they show is
-also in out_dir/metrics.jsonl. Besides: `python train.py --help` (help_text: every key by stage),
-and the notes a run logs at its start for the keys it sets that do nothing in it (idle_keys:
-`--stop_at=80` with steps=80, an overlong_buffer with overlong_penalty 0, ...; kv_reads_all: a
-sparse kv_budget that drops no page at any length the run reaches).
+out_dir/run.png, out_dir/summary.json (the start's and the end's figures for a script: held-out
+accuracy per difficulty before and after RL, each figure beside its problem count, the summary's
+rows, the examples and ledger.py's ledger), the hardware line every measured figure names, and the
+experiment tracker (`tracker` in config.py) that gets the same figures. train.py calls these; every
+per-step figure they show is also in out_dir/metrics.jsonl. Besides: `python train.py --help`
+(help_text: every key by stage), and the notes a run logs at its start for the keys it sets that
+do nothing in it (idle_keys: `--stop_at=80` with steps=80, an overlong_buffer with
+overlong_penalty 0, ...; kv_reads_all: a sparse kv_budget that drops no page at any length the
+run reaches).
 
 The step lines, one stage after another (the README explains each label):
     step   12  kept 14/16 in 2 tries | rollout 0.65s len 34 kv 1.00 | reward 0.858 verify 0.00
@@ -15,10 +18,13 @@ The step lines, one stage after another (the README explains each label):
 
 Simplifications:
     1. Every line stays within 100 columns; a figure a run does not have is left out, not zeroed.
-    2. The plot is reward per step and greedy held-out accuracy at each evaluation, nothing more.
-       A figure that has no value (an empty bin's NaN) shows as "-".
+    2. The plot is reward per step and greedy held-out accuracy at each evaluation, nothing more,
+       on one x: the optimizer steps the policy had taken (a step's reward at its step, held-out
+       accuracy after step s at s + 1). A figure that has no value (an empty bin's NaN) shows as
+       "-" in the tables and null in summary.json.
     3. The tracker gets metrics.jsonl's records as they are (nested dicts and lists included), the
-       config at the start and run.png at the end: no figures of its own, no system metrics.
+       config and summary.json's figures at the start, and at the end the end's figures, run.png
+       and ledger.png; summary.json's figures go flat, numbers only. No system metrics.
 
     python train.py --tracker=trackio --out_dir=out/tracked   # then `trackio show --project zeros`
     python train.py --tracker=wandb                            # offline; `wandb sync` uploads it
@@ -27,6 +33,7 @@ Simplifications:
 import dataclasses
 import importlib
 import inspect
+import json
 import math
 import os
 import platform
@@ -41,6 +48,7 @@ from sparsity import fixed_budget, fraction_budget, pages_to_read, table_budget
 
 matplotlib.use("Agg")  # the plot is a file: no display needed
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def step_lines(rec):
@@ -127,6 +135,33 @@ def by_difficulty(scores, col):
     return {d: sum(v) / len(v) for d, v in sorted(out.items())}
 
 
+def summary_rows(history, seconds):
+    """The summary's rows: [(name, text, value)], the value a number (None where there is none)
+    for out_dir/summary.json, the text as the table prints it."""
+    recs = history["records"]
+    accs, n, tenth = [r["acc"] for r in recs if "acc" in r], len(recs), max(1, len(recs) // 10)
+    mean = lambda k: sum(r.get(k, 0.0) for r in recs) / n
+    total = lambda k: sum(r.get(k, 0) for r in recs)
+    first = sum(r["reward"] for r in recs[:tenth]) / tenth
+    last = sum(r["reward"] for r in recs[-tenth:]) / tenth
+    after = accs[-1] if accs else None
+    return [("steps", f"{n}", n),
+            ("held-out accuracy before RL", figure(history["acc0"]), history["acc0"]),
+            ("held-out accuracy after RL", figure(after), after),
+            ("reward, first 10% of steps", f"{first:.3f}", first),
+            ("reward, last 10% of steps", f"{last:.3f}", last),
+            ("groups kept / step", f"{mean('groups_kept'):.1f} of {recs[0]['groups']}",
+             mean("groups_kept")),
+            ("steps trained short", f"{total('short')}", total("short")),
+            ("reward calls that errored / timed out", f"{total('errors')} / {total('timeouts')}",
+             [total("errors"), total("timeouts")]),
+            ("rollout time / step", f"{mean('gen_s'):.2f}s", mean("gen_s")),
+            ("train time / step", f"{mean('train_s'):.2f}s", mean("train_s")),
+            ("non-finite steps skipped", f"{total('skipped_nonfinite')}",
+             total("skipped_nonfinite")),
+            ("RL wall time", f"{seconds:.0f}s", seconds)]
+
+
 def summary(history, seconds, k=8):
     """The table that ends a run, as text: the figures of the steps, then (a task with difficulties)
     held-out accuracy per difficulty before and after RL, then the example completions before and
@@ -134,23 +169,11 @@ def summary(history, seconds, k=8):
     recs = history["records"]
     if not recs:
         return "no step ran"
-    accs, n, tenth = [r["acc"] for r in recs if "acc" in r], len(recs), max(1, len(recs) // 10)
-    mean = lambda k: sum(r.get(k, 0.0) for r in recs) / n
-    total = lambda k: sum(r.get(k, 0) for r in recs)
-    rows = [("steps", f"{n}"), ("held-out accuracy before RL", figure(history["acc0"])),
-            ("held-out accuracy after RL", figure(accs[-1] if accs else None)),
-            ("reward, first 10% of steps", f"{sum(r['reward'] for r in recs[:tenth]) / tenth:.3f}"),
-            ("reward, last 10% of steps", f"{sum(r['reward'] for r in recs[-tenth:]) / tenth:.3f}"),
-            ("groups kept / step", f"{mean('groups_kept'):.1f} of {recs[0]['groups']}"),
-            ("steps trained short", f"{total('short')}"),
-            ("reward calls that errored / timed out", f"{total('errors')} / {total('timeouts')}"),
-            ("rollout time / step", f"{mean('gen_s'):.2f}s"),
-            ("train time / step", f"{mean('train_s'):.2f}s"),
-            ("non-finite steps skipped", f"{total('skipped_nonfinite')}"),
-            ("RL wall time", f"{seconds:.0f}s")]
-    w = max(len(name) for name, _ in rows)
-    out = ["", "summary", "-" * (w + 12)] + [f"{name:<{w}}  {v}" for name, v in rows]
-    return "\n".join(out + per_difficulty(history, accs and recs[-1], k) + shown(history))
+    rows = summary_rows(history, seconds)
+    w = max(len(name) for name, _, _ in rows)
+    out = ["", "summary", "-" * (w + 12)] + [f"{name:<{w}}  {v}" for name, v, _ in rows]
+    last = [r for r in recs if "acc" in r][-1:]
+    return "\n".join(out + per_difficulty(history, last and last[0], k) + shown(history))
 
 
 def per_difficulty(history, last, k):
@@ -177,6 +200,64 @@ def per_difficulty(history, last, k):
     return rows
 
 
+def difficulty_table(history, counts):
+    """Held-out accuracy per difficulty before and after RL, as out_dir/summary.json holds it:
+    {"before RL": {"greedy": {d: {"value": x, "n": problems}}, "pass@1": {...}, ...}, "after RL":
+    {...}}, n the held-out problems of that difficulty (counts: {difficulty: problems}) beside
+    each figure. After RL, before the end's pass@k: the last evaluation's greedy column."""
+    last = next((r for r in reversed(history["records"]) if "acc_by_difficulty" in r), {})
+    sides = {"before RL": history.get("start") or {},
+             "after RL": history.get("end") or ({"greedy": last["acc_by_difficulty"]}
+                                                 if last else {})}
+    return {side: {name: {str(d): {"value": plain(v), "n": counts.get(int(d))}
+                          for d, v in sorted(col.items(), key=lambda x: int(x[0]))}
+                   for name, col in cols.items()}
+            for side, cols in sides.items()}
+
+
+def plain(x):
+    """x with every NaN or infinity (an empty bin's figure) as None: JSON has no NaN."""
+    if isinstance(x, dict):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def run_figures(history, problems, seconds=None, ledger=None):
+    """What out_dir/summary.json holds: at the start (seconds None), the held-out set's counts per
+    difficulty, the warm start's accuracy and its per-difficulty table; at the end, the same with
+    the figures after RL, the summary's rows, the examples and the ledger."""
+    counts = {}
+    for p in problems:
+        d = p.meta.get("difficulty")
+        if d is not None:
+            counts[d] = counts.get(d, 0) + 1
+    out = {"finished": seconds is not None,
+           "held_out": {"problems": len(problems), "by_difficulty": dict(sorted(counts.items()))},
+           "accuracy_before_rl": history.get("acc0"),
+           "by_difficulty": difficulty_table(history, counts)}
+    if seconds is not None and history["records"]:
+        rows = summary_rows(history, seconds)
+        out.update(accuracy_after_rl=rows[2][2], summary={name: v for name, _, v in rows},
+                   examples=history.get("examples", []))
+    if ledger is not None:
+        out["ledger"] = ledger
+    return plain(out)
+
+
+def write_summary(out_dir, figures):
+    """out_dir/summary.json, written whole (a new file renamed over the old): a reader never sees
+    half of it."""
+    path = os.path.join(out_dir, "summary.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(figures, f, indent=1, allow_nan=False)
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def clip(text, n=300):
     """A text of at most about n characters, on one line: a long one keeps its start and its end
     (a long generation's answer is at the end)."""
@@ -195,37 +276,67 @@ def shown(history):
     return out
 
 
-def plot(history, path):
-    """Training reward per step and held-out accuracy over the run (overall, and per difficulty
-    when the task has them), side by side, to `path`. The difficulties' lines differ in colour,
-    line style and marker, so that lines that meet (at 1.0, say) stay apart; the legend sits
-    outside, right of the plot."""
+# what a task's difficulty counts (tasks.py: the generator's first knob), for run.png's legend
+DIFFICULTY_NAMES = {"synthetic": "terms", "reasoning_gym:chain_sum": "terms",
+                    "reasoning_gym:countdown": "numbers",
+                    "reasoning_gym:string_splitting": "initial machines"}
+
+
+def difficulty_name(cfg):
+    """What the difficulty d counts in this run's task ("terms"), or "" where it is not known."""
+    if cfg.task == "synthetic" and cfg.order == "lagged":
+        return "lines"
+    return DIFFICULTY_NAMES.get(cfg.task, "")
+
+
+def plot_series(history):
+    """run.png's lines, on one x: the optimizer steps the policy had taken when it was measured.
+    A step's reward sits at its step number (0-based: its rollouts come before its update), the
+    held-out accuracy measured after step s at s + 1, the warm start's at 0. -> {"reward": (xs,
+    ys), "all": [(x, acc)], difficulty: [(x, acc)]}."""
     recs = history["records"]
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
-    ax[0].plot([r["step"] for r in recs], [r["reward"] for r in recs], lw=1)
-    ax[0].set(xlabel="step", ylabel="mean reward", title="training reward")
     evals = [r for r in recs if "acc" in r]
-    start = (history.get("start") or {}).get("greedy") or {}
-    diffs = sorted({int(d) for r in evals for d in r.get("acc_by_difficulty", {})})
-    for i, d in enumerate(diffs):  # easy to hard: light to dark
-        pts = [(0, start[d])] if d in start else []
-        pts += [(r["step"] + 1, r["acc_by_difficulty"].get(str(d), r["acc_by_difficulty"].get(d)))
-                for r in evals]
-        ax[1].plot(*zip(*pts), lw=1.2, label=f"d={d}", ls=("-", "--", ":", "-.")[i % 4],
+    start = {int(d): a for d, a in ((history.get("start") or {}).get("greedy") or {}).items()}
+    out = {"reward": ([r["step"] for r in recs], [r["reward"] for r in recs])}
+    for d in sorted({int(d) for r in evals for d in r.get("acc_by_difficulty", {})}):
+        by = lambda r: r["acc_by_difficulty"].get(str(d), r["acc_by_difficulty"].get(d))
+        out[d] = ([(0, start[d])] if d in start else []) + [(r["step"] + 1, by(r)) for r in evals]
+    out["all"] = ([(0, history["acc0"])] if history.get("acc0") is not None else []) + [
+        (r["step"] + 1, r["acc"]) for r in evals]
+    return out
+
+
+def plot(history, path, name=""):
+    """Training reward per step and held-out accuracy over the run (overall, and per difficulty
+    when the task has them; `name`: what a difficulty counts, "terms"), side by side, to `path`.
+    Both panels share plot_series's x (optimizer steps done) and integer ticks. The difficulties'
+    lines differ in colour (turbo, easy to hard), line style and marker, so that lines that meet
+    (at 1.0, say) stay apart; the legend sits outside, right of the plot."""
+    series = plot_series(history)
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
+    ax[0].plot(*series["reward"], lw=1)
+    xlabel = "optimizer steps done (the policy after x RL steps)"
+    ax[0].set(xlabel=xlabel, ylabel="mean reward", title="training reward (a step's rollouts)")
+    diffs = [d for d in series if isinstance(d, int)]
+    for i, d in enumerate(diffs):
+        label = f"{d} {name}" if name else f"difficulty {d}"
+        ax[1].plot(*zip(*series[d]), lw=1.2, label=label, ls=("-", "--", ":", "-.")[i % 4],
                    marker="os^vD<>ph*"[i % 10], ms=4, mfc="none",
-                   color=plt.cm.viridis_r(0.1 + 0.9 * i / max(1, len(diffs) - 1)))
-    pts = [(0, history["acc0"])] if history.get("acc0") is not None else []
-    pts += [(r["step"] + 1, r["acc"]) for r in evals]
-    if pts:
-        ax[1].plot(*zip(*pts), lw=2.5, marker="o", color="black", label="all", zorder=1.5)
-    ax[1].set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy",
-              ylim=(-0.05, 1.05))  # a margin: lines at 0 or 1 stay visible
-    if pts or diffs:
+                   color=plt.cm.turbo(0.05 + 0.9 * i / max(1, len(diffs) - 1)))
+    if series["all"]:
+        ax[1].plot(*zip(*series["all"]), lw=2.5, marker="o", color="black", label="all",
+                   zorder=1.5)
+    ax[1].set(xlabel=xlabel, ylabel="greedy accuracy", title="held-out accuracy (0: the warm "
+              "start)", ylim=(-0.05, 1.05))  # a margin: lines at 0 or 1 stay visible
+    for a in ax:
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 0.5
+    if series["all"] or diffs:
         ax[1].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
-                     ncol=1 + (len(diffs) > 12))
+                     ncol=1 + (len(diffs) > 12), title=f"number of {name}" if name else None)
     fig.tight_layout()
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
+    return fig
 
 
 def hardware(gpu=False):
@@ -356,13 +467,39 @@ class Tracker:
             self.step = rec["step"]
             self.lib.log({k: v for k, v in rec.items() if k != "step"}, step=self.step)
 
-    def finish(self, png):
-        """run.png (when out_dir has one) at the last step, then close the tracker's run."""
+    def figures(self, figures, step=0):
+        """summary.json's figures (report.run_figures) at `step`: the numbers only, flat, their
+        keys the path to them ("by_difficulty/before RL/greedy/5/value")."""
+        if self.lib:
+            self.lib.log(flat(figures), step=step)
+
+    def finish(self, png, figures=None):
+        """run.png and ledger.png beside it (those out_dir has), and the end's figures (flat, as
+        `figures`), at the last step; then close the tracker's run."""
         if not self.lib:
             return
-        if os.path.exists(png):
-            self.lib.log({"run.png": self.lib.Image(png)}, step=self.step)
+        logged = {os.path.basename(p): self.lib.Image(p)
+                  for p in (png, os.path.join(os.path.dirname(png), "ledger.png"))
+                  if os.path.exists(p)}
+        logged.update(flat(figures or {}))
+        if logged:
+            self.lib.log(logged, step=self.step)
         self.lib.finish()
+
+
+def flat(x, key=""):
+    """{"a": {"b": 1.0, "c": [{"what": "x", "done": 2}]}} -> {"a/b": 1.0, "a/c/x/done": 2}: a
+    nested figure's numbers under the path to them (list items under their "what", else their
+    index); strings and None are left out."""
+    if isinstance(x, dict):
+        out = {}
+        for k, v in x.items():
+            out.update(flat(v, f"{key}/{k}" if key else str(k)))
+        return out
+    if isinstance(x, (list, tuple)):
+        return flat({(v.get("what") if isinstance(v, dict) and "what" in v else i): v
+                     for i, v in enumerate(x)}, key)
+    return {key: x} if isinstance(x, (int, float)) and not isinstance(x, bool) else {}
 
 
 # bench/RESULTS.md: every results table is a marked block that its command rewrites
@@ -391,8 +528,8 @@ def write_block(section, text, path=RESULTS):
 STAGES = {
     "run": "out_dir seed device dtype autocast resume overwrite threads eval_every save_every "
            "plot tracker fsdp",
-    "model": "model chat_template n_layer n_embd n_head n_kv_head ffn n_expert n_expert_active "
-             "moe_ffn",
+    "model": "model chat_template chat_thinking n_layer n_embd n_head n_kv_head ffn n_expert "
+             "n_expert_active moe_ffn",
     "task (the data and the held-out set)": "task rg_kwargs sft_rg_kwargs eval_rg_kwargs "
         "rg_prompt data difficulty order n_train n_eval eval_difficulty eval_sampled eval_k",
     "warm start (the tiny model's SFT)": "sft_steps sft_batch sft_lr sft_noise sft_slip "
@@ -400,14 +537,15 @@ STAGES = {
     "1 signal (which prompts)": "prompts_per_step sampler zone explore dynamic_sampling "
         "refill_tries min_spread",
     "2 rollout (sparse KV, speculative decoding, DistillSparse)": "group_size max_new_tokens "
-        "temperature top_p stop page_size kv_budget kv_bin_pages kv_scorer kv_rescore_every "
+        "temperature top_p stop page_size kv_dtype kv_pool_tokens kv_budget kv_bin_pages kv_scorer kv_rescore_every "
         "dense_layers kv_keep_first kv_keep_recent kv_controller kv_hold kv_target kv_tv_target "
         "kv_quantile rollout_mode spec_k spec_k_max alpha_topk kv_candidates calib_prompts "
         "kv_compare_every distill_r distill_lr distill_coef distill_pg",
     "3 rewards (the verifier cascade)": "math_verify max_chars judge judge_timeout_s "
         "overlong_buffer overlong_penalty overlong_filter",
     "4 update": "steps stop_at lr min_lr_ratio warmup_steps weight_decay grad_clip passes "
-        "minibatches micro_batch share_prompt clip_low clip_high kl_coef kl_loss adv_norm "
+        "minibatches micro_batch logp_chunk share_prompt clip_low clip_high kl_coef kl_loss "
+        "adv_norm "
         "max_skipped nm lora_r lora_alpha lora_dropout is_correction is_cap mis_low mis_high "
         "router_replay moe_aux_coef adv_eps pack",
     "5 sync (the rollout copy and the ranks that only generate)": "rollout_copy "

@@ -11,10 +11,10 @@ gets the masked model (save_pretrained: pruned weights stored as zeros), the tok
 masks.pt (the bool masks by weight name: `python train.py --rollout_copy=nm2:4
 --rollout_copy_mask=OUT_DIR` runs a rollout copy under them); both record the mask's task. The
 data: problems of the task MODEL_DIR was trained on and their reference traces (prompt + trace +
-EOS), as the folder records it (trained_config: a checkpoint's trainer_state.pt, a warm start's
-sft_key.json, roi.py's nm.json), else --config=FILE's (else configs/sharpen.py's, said in the log);
-a --config of another task or order than the record's is refused. Tasks with a reference trace
-only: the synthetic task (any order) and reasoning_gym:chain_sum.
+EOS), as the folder records it (checkpoint.trained_config: a checkpoint's trainer_state.pt, a warm
+start's sft_key.json, roi.py's nm.json), else --config=FILE's (else configs/sharpen.py's, said in
+the log); a --config of another task or order than the record's is refused. Tasks with a reference
+trace only: the synthetic task (any order) and reasoning_gym:chain_sum.
 
 How RoI learns a mask (a group is m consecutive inputs of one output row, as in sparsity.nm_mask):
     1. The model's weights are frozen; every prunable Linear (sparsity.NM_SKIP: not the head, the
@@ -62,6 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
+from checkpoint import trained_config
 from config import RG_PREFIX, TEACHER_TASKS, cli, parse_config
 from model import Transformer, swap_module
 from report import hardware, write_block
@@ -266,8 +267,9 @@ def task_problems(cfg, n, offset, exclude=frozenset()):
     where cfg has no model) from seed cfg.seed + offset."""
     if not cfg.task.startswith(RG_PREFIX):
         return synthetic_problems(cfg, n, offset, exclude)
-    drawn = make_reasoning_gym(cfg.task[len(RG_PREFIX):], 2 * n + 100, cfg.seed + offset, cfg.rg_kwargs,
-                               None if cfg.model else CHARS, cfg.rg_prompt, rg_width(cfg))
+    drawn = make_reasoning_gym(cfg.task[len(RG_PREFIX):], 2 * n + 100, cfg.seed + offset,
+                               cfg.rg_kwargs, None if cfg.model else CHARS, cfg.rg_prompt,
+                               rg_width(cfg))
     out = [p for p in drawn if p.prompt not in exclude][:n]
     if len(out) < n:
         raise ValueError(f"only {len(out)} of {n} {cfg.task} problems are not held out")
@@ -462,7 +464,8 @@ def results_table(rows):
              "nats/token | greedy accuracy | vs dense (same seed) | mask time |",
              "|---|---|---|---|---|---|---|---|"]
     for (nm, method, steps), rs in by.items():
-        gap = "" if (nm, method, steps) == keys[0] else ms([r["acc"] - dense[r["seed"]] for r in rs], "+.3f")
+        gap = "" if (nm, method, steps) == keys[0] else ms(
+            [r["acc"] - dense[r["seed"]] for r in rs], "+.3f")
         how = "" if nm == "dense" else ("one-shot" if method in ("magnitude", "wanda") else steps)
         lines.append(f"| {nm} | {method} | {how} | {len(rs)} | "
                      f"{ms([math.log(r['ppl']) for r in rs], '.4f')} | "
@@ -504,26 +507,6 @@ DATA_KEYS = ("task", "order", "difficulty", "eval_difficulty", "rg_kwargs", "eva
              "sft_rg_kwargs", "rg_prompt", "data", "model", "n_train", "sft_difficulty",
              "sft_steps", "sft_batch", "sft_seed")
 SAME_TASK = ("task", "order")
-
-
-def trained_config(model_dir):
-    """What MODEL_DIR records of the data it was trained on -> ({config key: value}, the file) or
-    ({}, ""): trainer_state.pt's config (train.py's checkpoint), sft_key.json (a warm start: its
-    SFT range is the difficulty) or nm.json's (a folder roi.py wrote)."""
-    state, key, nm = (os.path.join(model_dir, f) for f in ("trainer_state.pt", "sft_key.json",
-                                                           "nm.json"))
-    if os.path.exists(state):
-        return torch.load(state, map_location="cpu", weights_only=False, mmap=True)["config"], state
-    if os.path.exists(key):
-        with open(key) as f:
-            rec = json.load(f)
-        return {"task": "synthetic", **rec, "sft_seed": rec.get("seed", -1),
-                "difficulty": rec["sft_difficulty"]}, key  # a synthetic key names no task
-    if os.path.exists(nm):
-        with open(nm) as f:
-            rec = json.load(f).get("config", {})
-        return rec, nm if rec else ""
-    return {}, ""
 
 
 def task_config(args, log=print):
@@ -594,50 +577,61 @@ def parse_ints(text):
     return [int(x) for x in text.split(",")]
 
 
+ROI_HELP = {"learn": "learn an N:M mask by RoI (distilled from the dense model); write the model",
+            "apply": "a one-shot N:M mask (magnitude or Wanda scores); write the model",
+            "compare": "the mask methods side by side, 3 seeds (bench/RESULTS.md's roi block)"}
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="roi.py", description="N:M masks: learned (RoI) or one-shot")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("learn", "apply"):
-        s = sub.add_parser(name)
-        s.add_argument("model_dir")
-        s.add_argument("--nm", type=parse_nm, required=True)
-        s.add_argument("--out", required=True)
-        s.add_argument("--device", default="cpu")
-        s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--threads", type=int, default=0)
+    p = argparse.ArgumentParser(prog="roi.py", description="N:M masks, learned (RoI) or one-shot, "
+                                "for a saved model. `roi.py COMMAND --help`: its flags")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    learn, apply_, c = (sub.add_parser(k, help=v, description=v) for k, v in ROI_HELP.items())
+    for s in (learn, apply_):
+        s.add_argument("model_dir", help="a Hugging Face folder with its tokenizer")
+        s.add_argument("--nm", type=parse_nm, required=True, help="the pattern, e.g. 2:4")
+        s.add_argument("--out", required=True, help="folder for the masked model and masks.pt")
+        s.add_argument("--device", default="cpu", help="cpu or cuda")
+        s.add_argument("--seed", type=int, default=0, help="seeds the data and the sampling")
+        s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
         s.add_argument("--eval", type=int, default=100, help="held-out problems (0: no eval)")
         s.add_argument("--config", default="", help="the config file of the model's task, where "
                        "MODEL_DIR records none (a recorded one must agree with it)")
-    learn, apply_ = sub.choices["learn"], sub.choices["apply"]
-    learn.add_argument("--steps", type=int, default=300)
-    learn.add_argument("--batch", type=int, default=16)
-    learn.add_argument("--lr", type=float, default=0.05)
-    learn.add_argument("--loss", choices=("kd", "lm"), default="kd")
-    learn.add_argument("--init", choices=("magnitude", "wanda"), default="wanda")
-    learn.add_argument("--init_scale", type=float, default=2.0)
-    apply_.add_argument("--scores", choices=("magnitude", "wanda"), default="magnitude")
-    c = sub.add_parser("compare")
-    c.add_argument("--out_dir", default="out/roi")
-    c.add_argument("--nm", type=parse_nm_list, default=[(2, 4), (2, 8)])
+    learn.add_argument("--steps", type=int, default=300, help="steps of training the logits")
+    learn.add_argument("--batch", type=int, default=16, help="traces a step")
+    learn.add_argument("--lr", type=float, default=0.05, help="Adam's rate on the logits")
+    learn.add_argument("--loss", choices=("kd", "lm"), default="kd",
+                       help="kd: KL to the dense model; lm: the next-token loss")
+    learn.add_argument("--init", choices=("magnitude", "wanda"), default="wanda",
+                       help="the score the logits start from")
+    learn.add_argument("--init_scale", type=float, default=2.0, help="the start logits' scale")
+    apply_.add_argument("--scores", choices=("magnitude", "wanda"), default="magnitude",
+                        help="the score whose N largest of each M the mask keeps")
+    c.add_argument("--out_dir", default="out/roi", help="compare.json and compare.md")
+    c.add_argument("--nm", type=parse_nm_list, default=[(2, 4), (2, 8)], help="e.g. 2:4,2:8")
     c.add_argument("--steps", type=parse_ints, default=[30, 150],
                    help="training steps of SR-STE and RoI, comma-separated: a row each")
-    c.add_argument("--batch", type=int, default=16)
-    c.add_argument("--loss", choices=("kd", "lm"), default="kd")
-    c.add_argument("--init", choices=("magnitude", "wanda"), default="wanda")
-    c.add_argument("--roi_lr", type=float, default=0.05)
-    c.add_argument("--srste_lr", type=float, default=3e-4)
-    c.add_argument("--n_eval", type=int, default=500)
+    c.add_argument("--batch", type=int, default=16, help="traces a step")
+    c.add_argument("--loss", choices=("kd", "lm"), default="kd", help="as learn's")
+    c.add_argument("--init", choices=("magnitude", "wanda"), default="wanda", help="RoI's start")
+    c.add_argument("--roi_lr", type=float, default=0.05, help="RoI's rate on the logits")
+    c.add_argument("--srste_lr", type=float, default=3e-4, help="SR-STE's rate on the weights")
+    c.add_argument("--n_eval", type=int, default=500, help="held-out problems a seed")
     c.add_argument("--seeds", type=parse_ints, default=[0, 1, 2],
                    help="comma-separated: each seed its own warm start, data and held-out set")
     c.add_argument("--sft_steps", type=int, default=1200, help="each warm start's SFT steps")
-    c.add_argument("--threads", type=int, default=1)
+    c.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     c.add_argument("--write-results", dest="write_results", action="store_true",
                    help="rewrite bench/RESULTS.md's roi block")
     return p
 
 
 def main(argv):
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.cmd is None:  # `python roi.py` alone: what it does, and a one-line error
+        p.print_help()
+        p.exit(2, "roi.py: error: a COMMAND is needed: learn, apply or compare\n")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.cmd == "compare":

@@ -19,6 +19,11 @@ prompt prefilled once per group and, optionally, block-sparse decode attention.
     engine = Engine(model, tokenizer, sparse=fraction_budget(1 / 8), speculative=4)
     ro.timings["acceptance"], ro.timings["tokens_per_verify"]  # every token a dense sample
 
+    # the KV pool: bf16, at most 65,536 tokens (a call that needs more runs as several calls)
+    engine = Engine(model, tokenizer, kv_dtype="bfloat16", pool_tokens=65536)
+    engine.calls(prompt_ids, group_size=8)  # [(start, end)]: the prompts of each call that fits
+    pool_pages(cfg, longest_prompt)          # config key kv_pool_tokens in pages (0: one batch)
+
     python -m bench rollout [--quick]  # speed against transformers, sharing, sparsity
 
 What one call does:
@@ -47,6 +52,12 @@ What one call does:
     6. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch at once and
        its pages go back (a shared prompt page when its last row finishes). The model runs the
        call inside `Transformer.packed()`: on a CPU, its weight matmuls on packed copies.
+    7. The KV storage is the engine's pool (kvcache.KVPool), kept across calls and shared by the
+       engines given the same one: allocated at the first call (whole, where it has a cap) and
+       grown only when a call needs more than it holds. Its dtype is `kv_dtype`; with a cap
+       (`pool_tokens`) a call whose pages do not fit runs as consecutive calls that do
+       (`calls`: a prompt's rows stay together), the part i > 0 seeded seed + i * SPLIT_SEED, and
+       the parts' Rollouts are joined (`concat_rollouts`).
 
 Options (Engine keywords): page_size=16; sparse=False or a budget function; scorer="centroid" |
 "quest" | "oracle" (the true attention mass per page: it reads every key, a yardstick for
@@ -59,18 +70,24 @@ every selection, which distill.ReplayCache replays in a training forward); resco
 lossless sparse rollout, k draft tokens per verify; below); draft=None (speculative only: the
 model that drafts, of the same shapes as `model`, e.g. DistillSparse's adapter copy; default
 `model`; record_pages then records the draft's selections); adapt_k=0 (speculative only: K > 0
-chooses each call's k in 1..K from the last call's acceptance and costs, speculative.best_k).
+chooses each call's k in 1..K from the last call's acceptance and costs, speculative.best_k);
+kv_dtype="auto" | "float32" | "bfloat16" (the KV pool's dtype; auto: bf16 on CUDA, the model's
+weight dtype elsewhere: `kv_dtype_for`); pool_tokens=0 (the KV pool's cap in tokens, rounded up to
+pages; 0: none, each call takes what it needs); pool=None (a kvcache.KVPool to share with other
+engines, its own cap holding; None: one of the engine's own).
 Timings: prefill_s, decode_s, new_tokens; prefill_calls, prefill_tokens and prefill_tokens_naive
 (what prefilling every row would cost); pages_read and pages_dense (KV pages read by decode
 attention, summed over steps, rows and layers, and what dense decode reads); pages_read_layer
 (per layer: what its selections read, counted in the cache, summed over steps and rows, averaged
 over KV heads; a dense layer reads pages_dense / layers); pages_total,
-pages_peak, pages_free_end (the pool).
+pages_peak, pages_free_end (the pages the call laid out, held at most, free at its end);
+generate_calls (1, or the calls a split ran).
 
 Simplifications:
     1. No continuous batching: a call starts all its rows together and ends when the last one
-       finishes. The pool holds the worst case of the call (every lane as long as the longest row
-       can get) unless `num_pages` caps it.
+       finishes. The call lays out the worst case (every lane as long as the longest row can
+       get) unless `num_pages` caps it (a free list): a pool's cap counts the pages a call could
+       need, not the pages it ends up using.
     2. The log-prob ignores top-p truncation (as verl and friends do); with top_p = 1 it is exact.
        So do the top-k log-probs; and with temperature 0 (greedy) both are taken at temperature 1.
     3. Stop strings are checked on the decoded tail of each row, so a stop string must decode the
@@ -93,11 +110,61 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvcache import PagedKVCache
-from moe import record_routes
+from kvcache import KVPool, PagedKVCache
+from moe import Routes, record_routes
 from speculative import generate_speculative, sample, topk_logprobs
 
 PREFILL_TOKENS = 16384  # padded tokens per prefill forward: bounds the activations of a long batch
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # kv_dtype's, besides auto
+SPLIT_SEED = 0x5917  # part i > 0 of a split call samples with seed + i * this
+
+
+def kv_dtype_for(kv_dtype, weight):
+    """Config key kv_dtype -> the KV pool's dtype. auto: bf16 on a GPU (half the bytes of fp32
+    master weights, and the Triton kernel's tensor-core path), elsewhere the weights' own dtype
+    (a CPU run keeps its fp32 results)."""
+    if kv_dtype == "auto":
+        return torch.bfloat16 if weight.is_cuda else weight.dtype
+    return KV_DTYPES[kv_dtype]
+
+
+def lane_pages(groups, page_size, new):
+    """The pool a call lays out as lanes. groups: (prompt length, rows) of each distinct prompt;
+    new: tokens a row adds at the most -> (S prefix slots, P pages each, R pages a lane): the call
+    holds S * P + rows * R pages. A prompt of several rows stores its full pages once, in a prefix
+    slot; a row's lane holds the partial prompt page it copies and its new tokens."""
+    shared = [n // page_size if rows > 1 else 0 for n, rows in groups]
+    own = [-(-(n - s * page_size + new) // page_size) for (n, _), s in zip(groups, shared)]
+    return sum(s > 0 for s in shared), max(shared), max(own)  # -(-a // b) is ceil(a / b)
+
+
+def pool_pages(cfg, longest_prompt, page_size=None, longest_eval=0):
+    """Config key kv_pool_tokens in pages (of page_size; cfg's by default): the key rounded up, or
+    at 0 the larger of one rollout batch at its largest and one sampled held-out group.
+    A rollout batch: prompts_per_step groups of group_size rows, every prompt up to
+    longest_prompt tokens (its full pages once, shared), every row max_new_tokens (plus the
+    speculative draft's k) and the partial prompt page it copies. A held-out group (eval_sampled
+    only): one prompt of up to longest_eval tokens with eval_k rows, the largest call held-out
+    evaluation cannot split. What lane_pages gives any batch of those sizes, at the most: the
+    memory model's KV pool (times page_size tokens of K and V)."""
+    ps = page_size or cfg.page_size
+    if cfg.kv_pool_tokens:
+        return -(-cfg.kv_pool_tokens // ps)
+    k = max(cfg.spec_k, cfg.spec_k_max) if cfg.rollout_mode == "speculative" else 0
+    batch = cfg.prompts_per_step * _group_pages(longest_prompt, cfg.group_size,
+                                                cfg.max_new_tokens + k, ps)
+    if not cfg.eval_sampled:
+        return batch
+    rows = cfg.eval_k or cfg.group_size
+    return max(batch, _group_pages(max(longest_eval, longest_prompt), rows, cfg.max_new_tokens, ps))
+
+
+def _group_pages(prompt, G, new, ps):
+    """The most pages one prompt of up to `prompt` tokens with G rows of `new` tokens can take."""
+    if G == 1:  # nothing shared: a row holds its whole prompt
+        return -(-(prompt + new) // ps)
+    # a prompt shorter than the longest can leave page_size - 1 tokens on its partial page
+    return prompt // ps + G * -(-(min(prompt, ps - 1) + new) // ps)
 
 
 @dataclass
@@ -126,12 +193,20 @@ class Engine:
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
                  eos_ids=None, page_size=16, sparse=False, scorer="centroid", keep_recent=2,
                  dense_layers=2, keep_first=1, share_prefix=True, num_pages=None, topk_logprobs=0,
-                 record_pages=False, rescore_every=1, speculative=0, draft=None, adapt_k=0):
+                 record_pages=False, rescore_every=1, speculative=0, draft=None, adapt_k=0,
+                 kv_dtype="auto", pool_tokens=0, pool=None):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop = [s for s in stop if s]
-        eos = eos_ids if eos_ids is not None else tokenizer.eos_token_id
-        self.eos = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long)
+        # by default any of the tokenizer's EOS and the model's own end ids ends a row (Qwen3:
+        # <|im_end|> and <|endoftext|>, which warmstart.build_policy reads from its generation
+        # config into model.config.eos_token_id)
+        own = getattr(model.config, "eos_token_id", None)
+        eos = eos_ids if eos_ids is not None else [e for e in dict.fromkeys(
+            [tokenizer.eos_token_id, *(own if isinstance(own, list) else [own])]) if e is not None]
+        # host: only read as a list (the stop checks run on the host)
+        self.eos = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long,
+                                device="cpu")
         self.pad_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                        else int(self.eos[0]))
         self.max_len = model.config.max_position_embeddings
@@ -175,6 +250,15 @@ class Engine:
             raise ValueError(f"topk_logprobs must be an int in [0, vocab_size={V}], got "
                              f"{topk_logprobs!r}")
         self.topk, self.record_pages = topk_logprobs, record_pages and self.budget is not None
+        if kv_dtype not in ("auto", *KV_DTYPES):
+            raise ValueError(f"kv_dtype must be 'auto', 'float32' or 'bfloat16', got "
+                             f"{kv_dtype!r}")
+        ok = isinstance(pool_tokens, int) and pool_tokens >= 0
+        if not ok or (pool_tokens and pool is not None):
+            raise ValueError(f"pool_tokens must be an int >= 0 (the KV pool's tokens; 0: no cap), "
+                             f"and 0 with a shared pool (its own cap holds), got {pool_tokens!r}")
+        # the KV storage, kept across calls; engines given one pool share it (kvcache.KVPool)
+        self.kv_dtype, self.pool = kv_dtype, pool if pool is not None else KVPool(pool_tokens)
         self.clock = None  # {"attn": s, "select": s}: decode adds its seconds in each (the bench)
 
     def _check_lengths(self, prompt_ids):
@@ -203,19 +287,18 @@ class Engine:
         return [(list(p), rows) for p, rows in groups.items()]
 
     def _new_cache(self, groups, N):
-        """The call's pool: lanes (PagedKVCache) that hold the worst case, every row at
-        max_new_tokens, or num_pages pages from a free list."""
+        """The call's cache: lanes (PagedKVCache) that hold the worst case, every row at
+        max_new_tokens, or num_pages pages from a free list; its storage is the engine's pool."""
         # speculative: a verify writes up to k tokens past the last one a row can keep
         ps, new = self.page_size, self.max_new_tokens + self.speculative
-        shared = [len(p) // ps if len(rows) > 1 else 0 for p, rows in groups]  # full pages
-        # a row's own pages at the most; -(-a // b) is ceil(a / b)
-        own = [-(-(len(p) - n * ps + new) // ps) for (p, _), n in zip(groups, shared)]
-        lanes = None if self.num_pages else (sum(n > 0 for n in shared), max(shared), max(own))
+        lanes = (None if self.num_pages else
+                 lane_pages([(len(p), len(rows)) for p, rows in groups], ps, new))
         num_pages = self.num_pages or lanes[0] * lanes[1] + N * lanes[2]
         w, longest = self.model.lm_head.weight, max(len(p) for p, _ in groups)
         cache = PagedKVCache(self.model.config, N, -(-(longest + new) // ps), num_pages, ps,
-                             w.dtype, w.device, self.budget, self.scorer, self.keep_first,
-                             self.keep_recent, self.dense_layers, lanes, self.rescore_every)
+                             kv_dtype_for(self.kv_dtype, w), w.device, self.budget, self.scorer,
+                             self.keep_first, self.keep_recent, self.dense_layers, lanes,
+                             self.rescore_every, pool=self.pool)
         cache.clock, cache.routes = self.clock, record_routes(self.model, N)
         return cache
 
@@ -233,19 +316,21 @@ class Engine:
         chunks.append(cur)
         logits = None
         for chunk in chunks:
-            lens = torch.tensor([len(p) for p, _ in chunk])
-            ids = torch.full((len(chunk), int(lens.max())), self.pad_id, dtype=torch.long)
+            lens = [len(p) for p, _ in chunk]
+            # built on the host row by row, then one copy to the device (the forward below)
+            ids = torch.full((len(chunk), max(lens)), self.pad_id, dtype=torch.long, device="cpu")
             for i, (p, _) in enumerate(chunk):  # right padding: no real token sees the pads
-                ids[i, :len(p)] = torch.tensor(p)
+                ids[i, :len(p)] = torch.tensor(p, dtype=torch.long, device="cpu")
             cache.begin_prefill([(len(p), rows) for p, rows in chunk])
             # (b, T, C); only the last real token is projected
             h = model(ids.to(dev), cache=cache, hidden=True)
-            lg = model.lm_head(h[torch.arange(len(chunk)), lens - 1]).float()  # (b, V)
+            last = torch.tensor([n - 1 for n in lens], device=dev)
+            lg = model.lm_head(h[torch.arange(len(chunk), device=dev), last]).float()  # (b, V)
             if logits is None:
                 logits = lg.new_empty(N, lg.shape[-1])
-            rows = torch.tensor([r for _, rs in chunk for r in rs])
-            logits[rows.to(dev)] = lg[torch.tensor([i for i, (_, rs) in enumerate(chunk)
-                                                    for _ in rs], device=dev)]
+            rows = torch.tensor([r for _, rs in chunk for r in rs], device=dev)
+            logits[rows] = lg[torch.tensor([i for i, (_, rs) in enumerate(chunk)
+                                            for _ in rs], device=dev)]
         return logits, len(chunks)
 
     @torch.no_grad()
@@ -255,10 +340,48 @@ class Engine:
         sampling, each row ending where its list ends ("length" unless its last token is EOS), with
         ro.logp their log-probs under this engine's model. The same tokens at the same lengths,
         so the same work: how train.py times dense decode against a sparse rollout."""
+        parts, G = [], group_size
         with getattr(self.model, "packed", contextlib.nullcontext)():
-            if self.speculative and force is None:
-                return generate_speculative(self, prompt_ids, group_size, seed)
-            return self._generate(prompt_ids, group_size, seed, force)
+            for i, (a, b) in enumerate(self.calls(prompt_ids, G)):  # one, unless the pool is small
+                s = seed if i == 0 else (seed + i * SPLIT_SEED) % 2**63
+                if self.speculative and force is None:
+                    parts.append(generate_speculative(self, prompt_ids[a:b], G, s))
+                else:
+                    parts.append(self._generate(prompt_ids[a:b], G, s, None if force is None
+                                                else force[a * G:b * G]))
+        ro = parts[0] if len(parts) == 1 else concat_rollouts(parts, self.pad_id)
+        ro.timings["generate_calls"] = len(parts)
+        return ro
+
+    def calls(self, prompt_ids, G):
+        """The call's prompts in consecutive runs [(start, end)] whose pages fit the pool (one run
+        where it has no cap or num_pages is set); a prompt's G rows are never split. What
+        generate runs, and how held-out evaluation cuts its prompts into calls."""
+        ps, n = self.page_size, len(prompt_ids)
+        cap = -(-self.pool.tokens // ps)
+        if not cap or self.num_pages or not n:
+            return [(0, n)]
+        new = self.max_new_tokens + max(self.speculative, self.adapt_k)  # adapt_k: k may grow
+        keys = [tuple(p) for p in prompt_ids] if self.share_prefix else None
+        spans, a = [], 0
+        while a < n:
+            groups, b = {}, a  # distinct prompt (or row, unshared) -> (length, rows)
+            while b < n:
+                for k, rows in ([(keys[b], G)] if keys else [((b, g), 1) for g in range(G)]):
+                    groups[k] = (len(prompt_ids[b]), groups.get(k, (0, 0))[1] + rows)
+                S, P, R = lane_pages(groups.values(), ps, new)
+                need = S * P + (b + 1 - a) * G * R
+                if need > cap:  # prompt b opens the next call
+                    break
+                b += 1
+            if b == a:
+                raise ValueError(f"prompt {a} ({len(prompt_ids[a])} tokens) with its {G} rows "
+                                 f"needs {need} KV pages of {ps} tokens; the pool holds {cap} "
+                                 f"(config key kv_pool_tokens, Engine(pool_tokens=...) = "
+                                 f"{self.pool.tokens}): raise it, or 0 for one rollout batch")
+            spans.append((a, b))
+            a = b
+        return spans
 
     def _take_step(self, out, lps, finish, live, tok, lp, force):
         """Row live[j] takes token tok[j] (log-prob lp[j]) -> the j of the rows that end at it: at
@@ -358,19 +481,20 @@ class Engine:
         replays. A record's step is the completion position it made (an int, or one a row in
         speculative mode, where a later draft at a position replaces an earlier one)."""
         L, dl, P = self.model.config.num_hidden_layers, self.dense_layers, cache.table.shape[1]
-        out = torch.zeros(N, T, max(0, L - dl), cache.H, P + 1, dtype=torch.bool)  # P: padding
+        # host: ro.read_pages lives there (P: padding), as every Rollouts field does
+        out = torch.zeros(N, T, max(0, L - dl), cache.H, P + 1, dtype=torch.bool, device="cpu")
+        heads = torch.arange(cache.H, device="cpu")[None, :, None]
         for step, rows, layer, sel, n_sel in cache.record:
             valid = torch.arange(sel.shape[-1], device=sel.device) < n_sel[..., None]  # (B, Hkv, S)
             idx = torch.where(valid, sel.long(), P).cpu()
-            r = torch.tensor(rows)
+            r = torch.tensor(rows, device="cpu")
             if torch.is_tensor(step):
                 step = step.cpu()
                 keep = step < T  # a draft past the row's end (dropped after its EOS)
                 r, step, idx = r[keep], step[keep], idx[keep]
                 out[r, step, layer - dl] = False
                 step = step[:, None, None]
-            out[r[:, None, None], step, layer - dl, torch.arange(cache.H)[None, :, None],
-                idx] = True
+            out[r[:, None, None], step, layer - dl, heads, idx] = True
         return out[..., :P]
 
     def _pack_topk(self, topk, N, T):
@@ -385,19 +509,73 @@ class Engine:
         return vals.cpu(), ids.cpu()
 
     def _pack(self, prompt_ids, G, out, lps, finish, timings, budget, dense):
-        N, T = len(out), max(1, max(len(o) for o in out))
-        tokens = torch.full((N, T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(N, T, dtype=torch.bool)
-        logp, bud, bud_dense = torch.zeros(N, T), torch.zeros(N, T), torch.zeros(N, T)
+        N, T, cpu = len(out), max(1, max(len(o) for o in out)), "cpu"  # Rollouts: on the host
+        tokens = torch.full((N, T), self.pad_id, dtype=torch.long, device=cpu)
+        mask = torch.zeros(N, T, dtype=torch.bool, device=cpu)
+        logp, bud, bud_dense = (torch.zeros(N, T, device=cpu) for _ in range(3))
         for i, (o, l) in enumerate(zip(out, lps)):
-            tokens[i, :len(o)], mask[i, :len(o)] = torch.tensor(o, dtype=torch.long), True
-            logp[i, :len(l)] = torch.tensor(l)
-            bud[i, :len(o)] = torch.tensor(budget[i][:len(o)], dtype=torch.float)
-            bud_dense[i, :len(o)] = torch.tensor(dense[i][:len(o)], dtype=torch.float)
+            tokens[i, :len(o)] = torch.tensor(o, dtype=torch.long, device=cpu)
+            mask[i, :len(o)] = True
+            logp[i, :len(l)] = torch.tensor(l, device=cpu)
+            bud[i, :len(o)] = torch.tensor(budget[i][:len(o)], dtype=torch.float, device=cpu)
+            bud_dense[i, :len(o)] = torch.tensor(dense[i][:len(o)], dtype=torch.float, device=cpu)
         texts = self.tok.batch_decode(out, skip_special_tokens=True)
-        pidx = torch.arange(len(prompt_ids)).repeat_interleave(G)
+        pidx = torch.arange(len(prompt_ids), device=cpu).repeat_interleave(G)
         timings["new_tokens"] = int(mask.sum())
         return Rollouts(pidx, tokens, mask, logp, finish, texts, G, timings, bud, bud_dense)
+
+
+def concat_rollouts(parts, pad_id):
+    """The Rollouts of consecutive calls (Engine.generate split one that did not fit the pool) as
+    one: rows in order, each field padded as its call pads it; timings summed, the pool's figures
+    their extreme, the speculative ratios recomputed over the whole."""
+    def cat(xs, fill):  # (n_i, *dims) on the host -> (sum n_i, *max dims), `fill` past each
+        if xs[0] is None:
+            return None
+        dims = [max(x.shape[d] for x in xs) for d in range(1, xs[0].dim())]
+        out, i = xs[0].new_full((sum(len(x) for x in xs), *dims), fill), 0
+        for x in xs:
+            out[(slice(i, i + len(x)), *(slice(0, s) for s in x.shape[1:]))] = x
+            i += len(x)
+        return out
+    field = lambda name, fill: cat([getattr(ro, name) for ro in parts], fill)
+    first, offsets = parts[0], [0]
+    for ro in parts:  # prompt indices: each call numbers its own prompts from 0
+        offsets.append(offsets[-1] + len(ro) // ro.group_size)
+    ro = Rollouts(torch.cat([x.prompt_index + o for x, o in zip(parts, offsets)]),
+                  field("tokens", pad_id), field("mask", False), field("logp", 0.0),
+                  [f for x in parts for f in x.finish], [t for x in parts for t in x.texts],
+                  first.group_size, _sum_timings(parts), field("budget", 0.0),
+                  field("budget_dense", 0.0), field("topk_logp", float("-inf")),
+                  field("topk_ids", 0), field("read_pages", False))
+    if first.experts is not None:  # MoE: the prompts' entries renumbered, completions padded
+        pre, at = [], []
+        for x in parts:
+            at.append(x.experts.prompt_of + len(pre))
+            pre += x.experts.prompts
+        ro.experts = Routes(pre, torch.cat(at), cat([x.experts.completion for x in parts], -1))
+    return ro
+
+
+def _sum_timings(parts):
+    """The timings of a split call: counts and seconds summed, per-layer lists summed by layer,
+    the pool's sizes their extreme, ratios recomputed."""
+    t = {}
+    for ro in parts:
+        for k, v in ro.timings.items():
+            if k not in t:
+                t[k] = list(v) if isinstance(v, list) else v
+            elif k in ("pages_total", "pages_peak", "k"):  # the pool's; k: the largest used
+                t[k] = max(t[k], v)
+            elif k == "pages_free_end":
+                t[k] = min(t[k], v)
+            else:
+                t[k] = [a + b for a, b in zip(t[k], v)] if isinstance(v, list) else t[k] + v
+    if "drafted" in t:  # speculative: the ratios of the whole
+        t["acceptance"] = t["accepted"] / t["drafted"] if t["drafted"] else 1.0
+        t["tokens_per_verify"] = (t["new_tokens"] - sum(map(len, parts))) / max(1, t["verifies"])
+        t["accept_geom"] = t["accepted"] / max(1, t["accepted"] + t["rejections"])
+    return t
 
 
 @torch.no_grad()

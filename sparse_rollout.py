@@ -3,8 +3,11 @@ sparse_rollout.py: stage 2's sparse machinery as the loop sees it, one object th
 at a few fixed points. It owns the KV budget (a fixed budget, or a Schedule and its Controller),
 DistillSparse, the paired dense comparison and the rollout mode.
 
-    sp = SparseRollout(cfg, policy, tok, train_ids, log, rank, world)  # build the run's stage 2
+    sp = SparseRollout.for_run(cfg, policy, tok, train_ids, log, rank, world)  # the run's stage 2:
+                                         # its KV budget (kv_budget), then the object
     sp.engine, sp.rollout_model          # what generates the training rollouts
+    sp.pool                              # the run's KV pool (kvcache.KVPool, kv_pool_tokens,
+                                         # kv_dtype): its engines and held-out evaluation share it
     rec.update(sp.after_rollout(...))    # each try: alpha on every row; every kv_compare_every
                                          # steps, the dense comparison
     rec.update(sp.observe(n, group))     # the step: alpha and rollout TV figures, the Controller
@@ -12,10 +15,13 @@ DistillSparse, the paired dense comparison and the rollout mode.
     sp.refresh(policy)                   # the policy's new weights under the adapter
     sp.extra                             # what a checkpoint keeps (schedule, controller, adapter)
 
-Two rollout modes (config key rollout_mode):
+Every run generates through this object, the dense default too. Two rollout modes (config key
+rollout_mode):
     sparse       Sparrow's lossy path: rollouts are sampled from the sparse-KV policy; the
                  mismatch with the dense policy is measured on every row (alpha, p5 per bin, each
                  rollout's summed TV), held by the Controller, and corrected by IS (update.py).
+                 With kv_budget=dense (the default) every page is read: plain dense decoding,
+                 with nothing to measure unless the rollout copy differs from the policy.
     speculative  lossless: the sparse-KV policy drafts spec_k tokens, the dense policy verifies
                  them in one forward (rollout.Engine(speculative=k)), and speculative rejection
                  sampling makes every rollout an exact dense sample. No mismatch to measure (the
@@ -42,14 +48,15 @@ import copies
 import parallel
 from calibrate import Controller, Schedule, kv_budget, observe, read_figures
 from distill import DistillSparse
-from rollout import Engine
+from kvcache import KVPool
+from rollout import Engine, pool_pages
 from sparsity import alpha_k, dense_alpha
 
 
 class SparseRollout:
-    def __init__(self, cfg, full, tok, train_ids, log, rank, world, budget):
+    def __init__(self, cfg, full, tok, train_ids, log, rank, world, budget, eval_ids=()):
         """full: the policy's full weights (what the engines read); budget: calibrate.kv_budget's
-        (False: dense)."""
+        (False: dense); eval_ids: the held-out prompts, which the KV pool must fit too."""
         self.cfg = cfg
         self.distill = DistillSparse.for_run(cfg, full, budget, world) if cfg.distill_r else None
         self.spec = cfg.spec_k if cfg.rollout_mode == "speculative" else 0
@@ -66,10 +73,16 @@ class SparseRollout:
         topk = alpha_k(full.config.vocab_size, cfg.alpha_topk) if self.measure else 0
         gen = dict(tokenizer=tok, max_new_tokens=cfg.max_new_tokens,
                    stop=[cfg.stop] if cfg.stop else [])
+        # the run's one KV pool (kv_pool_tokens; 0: one rollout batch at the longest training
+        # prompt, or one sampled held-out group), made once: the rollout engine, the dense
+        # comparison and held-out evaluation share it
+        longest_eval = max(map(len, eval_ids), default=0)
+        self.pool = KVPool(pool_pages(cfg, max(map(len, train_ids)), longest_eval=longest_eval)
+                           * cfg.page_size)
         kv = dict(temperature=cfg.temperature, top_p=cfg.top_p, page_size=cfg.page_size,
                   scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers,
                   rescore_every=cfg.kv_rescore_every, keep_first=cfg.kv_keep_first,
-                  keep_recent=cfg.kv_keep_recent)
+                  keep_recent=cfg.kv_keep_recent, kv_dtype=cfg.kv_dtype, pool=self.pool)
         self.engine = Engine(self.rollout_model, sparse=budget, speculative=self.spec, draft=draft,
                              adapt_k=cfg.spec_k_max if self.spec else 0,
                              record_pages=self.distill is not None, topk_logprobs=topk, **gen, **kv)
@@ -84,7 +97,7 @@ class SparseRollout:
         self.alphas = []
 
     @classmethod
-    def for_run(cls, cfg, full, tok, train_ids, log, rank, world):
+    def for_run(cls, cfg, full, tok, train_ids, log, rank, world, eval_ids=()):
         """The run's budget (a calibrated table is calibrated once: a resumed run reads it back),
         then the object."""
         table = os.path.join(cfg.out_dir, "kv_schedule.json")
@@ -92,7 +105,7 @@ class SparseRollout:
             budget = kv_budget(dataclasses.replace(cfg, kv_budget=f"schedule:{table}"), log=log)
         else:
             budget = kv_budget(cfg, full, tok, train_ids, log, rank)
-        return cls(cfg, full, tok, train_ids, log, rank, world, budget)
+        return cls(cfg, full, tok, train_ids, log, rank, world, budget, eval_ids)
 
     # ---- the step
 
@@ -104,7 +117,8 @@ class SparseRollout:
         if self.measure:  # every row, before dynamic sampling drops any: a collapse shows here
             t0 = time.perf_counter()
             a = dense_alpha(ref, prompt_ids, ro, cfg.temperature, cfg.micro_batch)
-            rows = torch.arange(len(ro))[:, None].expand(ro.mask.shape)[ro.mask]
+            # host, as ro.mask is: gathered and binned there (calibrate.observe)
+            rows = torch.arange(len(ro), device="cpu")[:, None].expand(ro.mask.shape)[ro.mask]
             self.alphas.append((a[ro.mask], ro.budget_dense[ro.mask].long(),
                                 rows + (t * n + me) * 2**20))  # a label per rollout, all ranks
             rec["alpha_s"] = time.perf_counter() - t0

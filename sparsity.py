@@ -320,7 +320,7 @@ def dense_logprobs(model, prompt_ids, ro, temperature=1.0):
     onto the vocabulary."""
     t = temperature if temperature > 0 else 1.0  # greedy rollouts report log-probs at T = 1
     dev = model.lm_head.weight.device
-    out = torch.zeros(ro.mask.shape)
+    out = torch.zeros(ro.mask.shape, device="cpu")  # host, as the rollout's fields are
     for i in range(len(ro)):
         p, n = list(prompt_ids[int(ro.prompt_index[i])]), int(ro.mask[i].sum())
         if n == 0:
@@ -358,17 +358,19 @@ def dense_alpha(model, prompt_ids, ro, temperature=1.0, micro_batch=16, chunk=40
     t = temperature if temperature > 0 else 1.0  # greedy rollouts report log-probs at T = 1
     dev = model.lm_head.weight.device
     lens = ro.mask.sum(1).tolist()
-    alpha = torch.zeros(ro.mask.shape)
-    for rows in torch.arange(len(ro)).split(micro_batch):
+    alpha = torch.zeros(ro.mask.shape, device="cpu")  # host, as the rollout's fields are
+    for rows in torch.arange(len(ro), device="cpu").split(micro_batch):
         rows = [r for r in rows.tolist() if lens[r]]
         if not rows:
             continue
         seqs = [list(prompt_ids[int(ro.prompt_index[r])]) + ro.tokens[r, :lens[r]].tolist()
                 for r in rows]
-        ids = torch.zeros(len(rows), max(len(s) for s in seqs), dtype=torch.long)
-        sel = torch.zeros(ids.shape, dtype=torch.bool)  # the positions that predict a sampled token
+        # built on the host row by row, then copied to the device for the forward; sel: the
+        # positions that predict a sampled token
+        ids = torch.zeros(len(rows), max(len(s) for s in seqs), dtype=torch.long, device="cpu")
+        sel = torch.zeros(ids.shape, dtype=torch.bool, device="cpu")
         for j, (s, r) in enumerate(zip(seqs, rows)):
-            ids[j, :len(s)] = torch.tensor(s)
+            ids[j, :len(s)] = torch.tensor(s, device="cpu")
             sel[j, len(s) - lens[r] - 1:len(s) - 1] = True  # position p predicts token p + 1
         h = model(ids.to(dev), hidden=True)[sel.to(dev)]  # (M, C), row-major: row by row
         m = ro.mask[rows]  # the same M positions, in the same order

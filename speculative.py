@@ -37,8 +37,9 @@ A call (speculative = k > 0):
        (seed + ACCEPT_SEED). At full budget (p = q) every draft is accepted and the tokens are
        dense decoding's under the same seed.
     5. Timings add k, draft_s, verify_s (its acceptance step included), drafted, accepted, verifies
-       (row-verifies), verify_calls (forwards), acceptance = accepted / drafted, accept_geom =
-       accepted / (accepted + rejections) (the chance a draft is accepted after accepted ones) and
+       (row-verifies), verify_calls (forwards), rejections (row-verifies that rejected a draft),
+       acceptance = accepted / drafted, accept_geom = accepted / (accepted + rejections) (the
+       chance a draft is accepted after accepted ones) and
        tokens_per_verify = (new_tokens - rows) / verifies (the first token is the prefill's).
        pages_read (and pages_read_layer) counts both passes (the draft's selections, and every
        page of a row once per verify); pages_dense is what dense decoding reads for the same
@@ -230,7 +231,7 @@ def _draft(eng, cache, live, last, gen, st, pos):
     draft model -> drafts (B, k) and the distributions they were drawn from, q (B, k, V) (None:
     greedy). pos: the completion position each row's first draft makes (the page records')."""
     L = eng.model.config.num_hidden_layers
-    pos = torch.tensor(pos)
+    pos = torch.tensor(pos, device="cpu")  # host: the page records' steps (Engine._pack_pages)
     sparse_layers = max(0, L - eng.dense_layers) if eng.budget is not None else 0
     toks, qs, cur = [], [], last
     for i in range(eng.speculative):
@@ -338,6 +339,7 @@ def _pack(eng, prompt_ids, G, groups, cache, out, lps, finish, pages, topk, st,
     # call's k from this call's figures
     timings["k"] = eng.speculative
     fails = st["verifies"] - st["full_rounds"]
+    timings["rejections"] = fails  # rounds that rejected a draft (the whole call's, when split)
     timings["accept_geom"] = st["accepted"] / max(1, st["accepted"] + fails)
     if eng.adapt_k and st["draft_steps"] and st["verify_calls"]:
         eng.speculative = best_k(timings["accept_geom"], st["draft_s"] / st["draft_steps"],

@@ -110,7 +110,8 @@ def state_checksum(sd):
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # most significant bit first, like numpy.packbits
-_SHIFT = torch.arange(7, -1, -1, dtype=torch.uint8)
+# made once on the host on purpose, moved to a tensor's device where it is used
+_SHIFT = torch.arange(7, -1, -1, dtype=torch.uint8, device="cpu")
 
 
 def _bits(t):
@@ -628,7 +629,7 @@ def simulate_rl_sync(steps=4, lr=1e-5, dtype=torch.bfloat16, seed=0, cfg=None):
     receiver.apply(sender.make_update())  # the first sync is full
     out = []
     for _ in range(steps):
-        idx = torch.randint(0, cfg.vocab_size, (4, 32))
+        idx = torch.randint(0, cfg.vocab_size, (4, 32), device="cpu")  # the demo runs there
         loss = torch.nn.functional.cross_entropy(policy(idx[:, :-1]).flatten(0, 1),
                                                  idx[:, 1:].flatten())
         opt.zero_grad()

@@ -17,6 +17,8 @@ What is here:
     load_problems / encode_pool   a config's pool and held-out set (synthetic, reasoning-gym:
                        disjoint from the pool and the warm start's SFT data by prompt), and their
                        token ids
+    format_prompt / end_ids   a real model's chat template (with thinking off where chat_thinking
+                       says so), and every token id that ends a completion (Qwen3 has two)
 How an answer is read back and compared with the reference is answers.py's.
 
 reasoning-gym tasks: `task="reasoning_gym:<name>"`, the generator's settings in `rg_kwargs`
@@ -118,14 +120,30 @@ def build_char_tokenizer(out_dir: str) -> "PreTrainedTokenizerFast":
     return tok
 
 
-def format_prompt(tokenizer, problem: Problem, chat_template: bool) -> str:
+def format_prompt(tokenizer, problem: Problem, chat_template: bool, thinking: bool = True) -> str:
     """The text to feed the policy: the chat-templated user turn if asked for and available, else
-    the raw prompt."""
+    the raw prompt. thinking=False renders the template with enable_thinking=False (config key
+    chat_thinking; Qwen3's template then closes an empty <think></think> block itself)."""
     if chat_template and getattr(tokenizer, "chat_template", None):
+        off = {} if thinking else {"enable_thinking": False}  # a template variable, not a flag
         return tokenizer.apply_chat_template(
             [{"role": "user", "content": problem.prompt}], tokenize=False,
-            add_generation_prompt=True)
+            add_generation_prompt=True, **off)
     return problem.prompt
+
+
+def end_ids(tokenizer, source: str, own=None) -> list:
+    """Every token id that ends a completion: the tokenizer's EOS, the model config's eos_token_id
+    (`own`, an id or a list) and its generation config's, read from `source` (a model folder or a
+    Hub name; Qwen3's generation_config.json adds <|endoftext|> to the tokenizer's <|im_end|>)."""
+    ids = [tokenizer.eos_token_id, *(own if isinstance(own, (list, tuple)) else [own])]
+    try:  # lazy: transformers takes seconds to import
+        from transformers import GenerationConfig
+        gen = GenerationConfig.from_pretrained(source).eos_token_id
+        ids += gen if isinstance(gen, (list, tuple)) else [gen]
+    except (OSError, ValueError):  # no generation_config.json: the others are all there is
+        pass
+    return [i for i in dict.fromkeys(ids) if i is not None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,7 +492,8 @@ def encode_pool(tok, problems: Sequence[Problem], cfg, ctx: int,
     fatal)."""
     keep, ids = [], []
     for p in problems:
-        t = tok.encode(format_prompt(tok, p, cfg.chat_template), add_special_tokens=False)
+        t = tok.encode(format_prompt(tok, p, cfg.chat_template, cfg.chat_thinking),
+                       add_special_tokens=False)
         if 0 < len(t) <= ctx - cfg.max_new_tokens:
             keep.append(p)
             ids.append(t)

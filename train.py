@@ -50,14 +50,17 @@ import torch
 from tqdm import tqdm
 
 import copies
+import ledger
+import memory
 import parallel
 from checkpoint import claim_out_dir, load_checkpoint, resume_note, save_checkpoint
-from config import cli, last_step, parse_config
+from config import RG_PREFIX, TASK_CONFIGS, TRACE_TOKENS, cli, last_step, parse_config
 from heldout import before_rl, during_rl
 from model import add_lora
 from moe import moe_layers, replay_batch
 from prompts import group_has_signal, make_sampler, refill_size
-from report import Tracker, help_text, idle_keys, kv_reads_all, plot, step_lines, summary
+from report import (Tracker, difficulty_name, help_text, idle_keys, kv_reads_all, plot,
+                    run_figures, step_lines, summary, write_summary)
 from reward import Cascade, combine, load_judge, overlong_penalty
 from rollout import Engine
 from sparse_rollout import SparseRollout
@@ -80,7 +83,10 @@ class Run:
     cascade: Cascade
     opt: torch.optim.Optimizer
     sampler: object
-    amp: object  # the autocast context of rollouts and training forwards
+    # the autocast context of rollouts and training forwards, entered afresh around forwards only:
+    # autocast keeps its bf16 weight copies until the outermost context exits (a forward after an
+    # optimizer step in the same context would see the old weights)
+    amp: object
     train_ids: list  # token ids of the training pool
     eval_p: list  # held-out problems, and their ids
     eval_ids: list
@@ -96,6 +102,8 @@ class Run:
 def build(cfg, rank, world, dev, role, log):
     """The policy, its data, its engines and its optimizer. The order sets what the seed draws."""
     random.seed(cfg.seed)
+    if dev.type == "cuda":  # the predicted peak memory, before any weight loads: refused if over
+        memory.check_fits(cfg, dev, log, world)
     model, tok = build_policy(cfg, dev, log, rank, world)
     if cfg.router_replay != "off" and not moe_layers(model):
         raise ValueError(f"config key 'router_replay' ({cfg.router_replay}) needs an MoE model "
@@ -116,10 +124,13 @@ def build(cfg, rank, world, dev, role, log):
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     replica = parallel.shard(cfg, model, dev) if cfg.fsdp else None
     full = replica or model  # full weights: what the engines read
-    sparse = SparseRollout.for_run(cfg, full, tok, train_ids, log, rank, world)  # stage 2
+    # stage 2. Every run generates through it: the default (rollout_mode=sparse, kv_budget=dense)
+    # selects every page, so its "sparse" decode is plain dense decoding
+    sparse = SparseRollout.for_run(cfg, full, tok, train_ids, log, rank, world, eval_ids)
     model.eval()  # dropout only in the training forwards (update.train_on turns it on and off)
     gen = dict(tokenizer=tok, max_new_tokens=cfg.max_new_tokens, stop=[cfg.stop] if cfg.stop else [])
-    greedy = Engine(full, temperature=0.0, **gen)  # held-out accuracy is the policy's own
+    greedy = Engine(full, temperature=0.0, kv_dtype=cfg.kv_dtype, pool=sparse.pool,  # one KV pool
+                    **gen)  # held-out accuracy is the policy's own
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     sampler = make_sampler(cfg, train_p)
@@ -142,8 +153,10 @@ def main(argv):
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     log = (lambda s: s and tqdm.write(s)) if rank == 0 else (lambda s: None)  # rank 0 prints
-    claim_out_dir(cfg, rank, log)  # no run overwritten, no resume without a checkpoint
+    if claim_out_dir(cfg, rank, log):  # no run overwritten, no resume without a checkpoint
+        return None  # ... and a finished run resumed: "already complete"
     log(idle_keys(cfg))  # the keys set that do nothing in this run, before the warm start
+    log(notes(cfg))  # settings that work but may surprise: a long warm-up, a long warm start
     run = None
     try:  # the cascade holds worker processes: close them however the run ends
         run = build(cfg, rank, world, dev, role, log)
@@ -159,6 +172,40 @@ def main(argv):
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return history
+
+
+def notes(cfg):
+    """Log lines on settings that work but may surprise ("" if none): a warm-up that outlasts the
+    steps that run, so the learning rate never reaches lr; a warm start, not yet cached, that
+    trains on many times the default's tokens (hours on a CPU)."""
+    out, runs = [], last_step(cfg) + 1
+    if cfg.warmup_steps > runs:  # update.lr_at: lr * (step + 1) / warmup_steps until then
+        out.append(f"note: warmup_steps={cfg.warmup_steps} outlasts the {runs} steps that run: "
+                   f"the learning rate ends at {runs / cfg.warmup_steps:.2f} of lr={cfg.lr:g} "
+                   f"(--warmup_steps={runs} reaches it at the last step)")
+    if (not cfg.model and cfg.task.startswith(RG_PREFIX) and not cfg.sft_init
+            and not os.path.exists(cache_path(cfg))):
+        times = sft_tokens(cfg) / sft_tokens(parse_config([]))
+        if times > 10:
+            out.append(f"note: the warm start trains on about {times:.0f} times the default's "
+                       f"tokens (the default's takes about 4 minutes on 2 CPU cores): hours; "
+                       f"{TASK_CONFIGS[cfg.task[len(RG_PREFIX):]]} has settings that fit the task")
+    return "\n".join(out)
+
+
+def sft_tokens(cfg):
+    """About how many tokens the tiny model's warm start trains on for a reasoning-gym task:
+    sft_steps x sft_batch sequences of a prompt and a teacher trace, sized from 16 of the
+    generator's items (config.TRACE_TOKENS; the prompt: the question or its last paragraph, the
+    short expression prompts not counted)."""
+    from reasoning_gym.factory import DATASETS  # lazy, as in config.check_task
+    name, size = cfg.task[len(RG_PREFIX):], 0
+    kwargs = {**cfg.rg_kwargs, **cfg.sft_rg_kwargs, "size": 16, "seed": cfg.seed}
+    for item in DATASETS[name][0](DATASETS[name][1](**kwargs)):
+        q = item["question"]
+        prompt = {"question": q, "last_paragraph": q.strip().split("\n\n")[-1]}.get(cfg.rg_prompt)
+        size += TRACE_TOKENS[name](item["metadata"]) + len(prompt or "")
+    return cfg.sft_steps * cfg.sft_batch * size / 16
 
 
 def train(cfg, run, rank, log):
@@ -182,6 +229,9 @@ def train(cfg, run, rank, log):
     if rank == 0:  # rewrite the log up to the resume point, so a resumed run does not repeat steps
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in history["records"])
+        figures = run_figures(history, run.eval_p)  # the warm start's, for a script to read
+        write_summary(cfg.out_dir, figures)
+        track.figures(figures, step=start)
     t_start, end, skipped = time.perf_counter(), last_step(cfg) + 1, 0
     bar = rank == 0 and sys.stderr.isatty()  # a bar in a file is one endless line: terminals only
     for step in tqdm(range(start, end), desc="rl", initial=start, total=end, disable=not bar,
@@ -190,10 +240,12 @@ def train(cfg, run, rank, log):
         for g in run.opt.param_groups:
             g["lr"] = lr_at(cfg, step)
         last = step == end - 1
-        with run.amp:
-            rec = rl_step(cfg, step, run)
-            if run.role.trains and ((step + 1) % cfg.eval_every == 0 or last):
+        rec = rl_step(cfg, step, run)  # each stage enters run.amp around its own forwards
+        if run.role.trains and ((step + 1) % cfg.eval_every == 0 or last):
+            t_eval = time.perf_counter()
+            with run.amp:  # a context of its own, after the step's: it casts the updated weights
                 during_rl(cfg, run, history, rec, last)  # held-out accuracy; at the end, more
+            rec["eval_s"] = time.perf_counter() - t_eval
         if not run.role.trains:  # a rollout rank: its figures are the trainers' to log
             continue
         if rec["tokens"]:  # optimizer steps skipped in a row for NaN/inf: a diverged run stops
@@ -220,22 +272,31 @@ def train(cfg, run, rank, log):
         held = run.sparse.rollout_model
     history["checksums"] = parallel.check_ranks_agree(held, run.world, log)
     if rank == 0:
-        log(summary(history, time.perf_counter() - t_start, cfg.group_size))
+        seconds = time.perf_counter() - t_start
+        log(summary(history, seconds, cfg.group_size))
+        book = ledger.ledger(history["records"][start:], ledger.run_facts(cfg, run), seconds)
+        log(ledger.text(book))  # what each stage skipped, beside the naive loop
         if cfg.plot:
-            plot(history, os.path.join(cfg.out_dir, "run.png"))
-        track.finish(os.path.join(cfg.out_dir, "run.png"))
+            plot(history, os.path.join(cfg.out_dir, "run.png"), difficulty_name(cfg))
+            ledger.plot(book, os.path.join(cfg.out_dir, "ledger.png"))
+        figures = run_figures(history, run.eval_p, seconds, book)
+        write_summary(cfg.out_dir, figures)  # the end's figures, the ledger among them
+        track.finish(os.path.join(cfg.out_dir, "run.png"), figures)
     return history
 
 
 def rl_step(cfg, step, run):
     """One step, stage by stage. Returns the step's metrics record."""
-    collected = collect(cfg, step, run) if run.role.collects else None  # stages 1-3
+    with run.amp:  # stages 1-3 (forwards only); the update enters run.amp per forward itself
+        collected = collect(cfg, step, run) if run.role.collects else None
     kept, rec = parallel.exchange(collected, run.role)  # colocated: the same groups, same rank
     rec["step"] = step
     sync(cfg, step, run, rec, before_update=True)
     if run.role.trains:
         rec.update(learn(cfg, run, kept))  # stage 4
+    t_sync = time.perf_counter()
     sync(cfg, step, run, rec, before_update=False)  # stage 5
+    rec["sync_s"] = time.perf_counter() - t_sync
     return rec
 
 
@@ -277,6 +338,7 @@ def collect(cfg, step, run):
     rec.update(reward=rew.mean().item(), groups_kept=sum(n_kept), groups=n_local * n,
                short=int(sum(n_kept) < n_local * n), len_mean=torch.cat(lens).mean().item(),
                zero_adv_groups=sum(parallel.gather(zero_adv, n, group)), rollouts=len(rew) * n,
+               groups_drawn=drawn, groups_signal=signals,  # every rank's, every try's
                finish_length=finish_length / len(rew), zone=sum(zone) / len(zone),
                **combine(results).summary(), collect_s=time.perf_counter() - t_start)
     rec.update(run.sparse.observe(n, group))  # the mismatch; the controller moves the table
@@ -295,8 +357,9 @@ def generate_and_score(cfg, step, t, batch, run, rec):
     if t == 0 and ro.experts is not None and run.role.trains:  # MoE: routing vs the trainer's
         rec.update(replay_mismatch(run.replica or run.model, prompt_ids, ro, cfg.temperature,
                                    cfg.micro_batch, run.sparse.engine.pad_id))
-    for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense"):
-        rec[k] = rec.get(k, 0) + ro.timings[k]
+    for k in ("prefill_s", "decode_s", "new_tokens", "pages_read", "pages_dense", "prefill_tokens",
+              "prefill_tokens_naive", "drafted", "accepted", "verifies"):  # (the ledger's counts)
+        rec[k] = rec.get(k, 0) + ro.timings.get(k, 0)  # no drafts outside the lossless mode: 0
     res = run.cascade.score_batch([p for _, p in batch for _ in range(G)], ro.texts,
                                   group_size=G, finish=ro.finish)  # cut rows score 0
     # a rollout rank that holds only the bf16 copy measures against its own dense decode
@@ -344,7 +407,8 @@ def learn(cfg, run, kept):
     routes = (replay_batch([k.routes for k in kept], [k.mask for k in kept], ids.shape)
               .to(ids.device) if kept and kept[0].routes is not None else None)  # MoE's experts
     out = train_on(cfg, run.model, run.opt, ids, tmask, adv, n, roll, group, run.ref_model,
-                   dense_dist=run.sparse.distill is not None, masked=run.masked, routes=routes)
+                   dense_dist=run.sparse.distill is not None, masked=run.masked, routes=routes,
+                   amp=run.amp)
     stats = out.pop("stats")  # loss sum, tokens, clipped, skipped, grad norm
     dense_full = out.pop("_dense_full", None)
     pg = lambda lp, rows: pg_loss(lp, roll[rows], adv[rows], tmask[rows], cfg.clip_low,

@@ -33,15 +33,24 @@ Simplifications:
        group of G rows computes its prompt once instead of G times; the gradients through the
        shared keys and values sum over the rows, as they would over G copies. A LoRA dropout mask
        on the prompt is then shared by the group's rows.
+    7. The log-prob pass projects the scored positions onto the vocabulary `logp_chunk` at a time,
+       and recomputes each chunk's logits in the backward (one more lm_head matmul) instead of
+       keeping them: its memory stops growing with the positions past the chunk.
+    8. Autocast (train.py's run.amp) is entered around each forward only; the backward and the
+       optimizer step run outside it. Autocast keeps its bf16 copies of the weights until its
+       outermost context exits: a forward in the context of an earlier step would see the weights
+       before that step.
 """
 
+import contextlib
 import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from model import flash_attn_varlen_func
+from model import flash_runs, repeat_kv
 from moe import disagreement, replay_batch, replaying
 from sparsity import alpha_sample, alpha_topk
 
@@ -120,14 +129,16 @@ def pg_loss(logp, old_logp, adv, mask, clip_low, clip_high, ref_logp=None, kl_co
 
 
 def build_batch(prompts, completions, masks, pad_id):
-    """Right-padded (B, T) ids of prompt + completion, and a target mask for completion positions.
-    Position t of `tmask` marks that token t+1 is a sampled token, so logits[:, t] scores it."""
+    """Right-padded (B, T) ids of prompt + completion, and a target mask for completion positions,
+    on the host. Position t of `tmask` marks that token t+1 is a sampled token, so logits[:, t]
+    scores it."""
     seqs = [list(p) + c[m].tolist() for p, c, m in zip(prompts, completions, masks)]
     T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    tmask = torch.zeros(len(seqs), T, dtype=torch.bool)
+    # on the host on purpose: filled row by row here, copied to the device once (batch_from_groups)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long, device="cpu")
+    tmask = torch.zeros(len(seqs), T, dtype=torch.bool, device="cpu")
     for i, (s, p) in enumerate(zip(seqs, prompts)):
-        ids[i, :len(s)] = torch.tensor(s)
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
         tmask[i, len(p) - 1:len(s) - 1] = True
     return ids, tmask
 
@@ -155,9 +166,9 @@ class PromptOnce:
         mask = torch.cat([seen[:, None].expand(B, T, P),
                           torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)],
                          -1)[:, None]  # (B, 1, T, P + T)
-        return F.scaled_dot_product_attention(q, torch.cat([kp[self.rows], k], 2),
-                                              torch.cat([vp[self.rows], v], 2), attn_mask=mask,
-                                              enable_gqa=True)
+        k, v = repeat_kv(torch.cat([kp[self.rows], k], 2), torch.cat([vp[self.rows], v], 2),
+                         q.shape[1])  # with a mask, SDPA's GQA is the math kernel's alone
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def advance(self, T):
         self.own = True  # the prompts are in: the rows' own tokens come next
@@ -178,7 +189,7 @@ def split_prompts(ids, tmask, lens):
     plens = torch.tensor([len(key) for key in distinct], device=ids.device)
     prompts = torch.zeros(len(distinct), int(plens.max()), dtype=ids.dtype, device=ids.device)
     for u, key in enumerate(distinct):
-        prompts[u, :len(key)] = torch.tensor(key, dtype=ids.dtype)
+        prompts[u, :len(key)] = torch.tensor(key, dtype=ids.dtype, device=ids.device)
     S = int((lens - first).max())
     at = first[:, None] + torch.arange(S, device=ids.device)  # (B, S) positions in the rows
     inside = at < lens[:, None]
@@ -188,14 +199,40 @@ def split_prompts(ids, tmask, lens):
     return prompts, plens, rows, ids.gather(1, at), tmask.gather(1, at) & inside, targets
 
 
+def project_logprobs(lm_head, h, tgt, temperature=1.0, chunk=1024, full=False):
+    """Log-probs of the targets `tgt` (M,) from the final hidden states h (M, C), `chunk` positions
+    per projection onto the vocabulary: the (chunk, V) logits are the largest tensor made, and with
+    gradients each chunk's are recomputed in the backward (torch.utils.checkpoint: one more lm_head
+    matmul) instead of kept, so memory does not grow with M past the chunk. -> lp (M,); with
+    `full`, also the (M, V) log-softmax (kept: the caller asked for all of it)."""
+    def proj(h, tgt):
+        lsm = (lm_head(h).float() / temperature).log_softmax(-1)
+        return lsm.gather(-1, tgt[:, None])[:, 0], lsm
+
+    redo = torch.is_grad_enabled() and h.requires_grad and not full
+    lps, lsms = [], []
+    for a in range(0, max(1, h.shape[0]), chunk):  # one (empty) chunk when nothing is scored
+        hc, tc = h[a:a + chunk], tgt[a:a + chunk]
+        if redo:
+            lps.append(checkpoint(lambda x, t: proj(x, t)[0], hc, tc, use_reentrant=False,
+                                  preserve_rng_state=False))
+        else:
+            lp, lsm = proj(hc, tc)
+            lps.append(lp)
+            lsms += [lsm] if full else []
+    lp = torch.cat(lps)
+    return (lp, torch.cat(lsms)) if full else lp
+
+
 def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False, routes=None,
-                   aux=None, share_prompt=False):
+                   aux=None, share_prompt=False, chunk=1024):
     """Log-prob of every target token: returns (B, T) with values where tmask is set (0 elsewhere).
     `packed` concatenates the rows without padding and attends within each (flash-attn varlen on
     CUDA). `share_prompt` runs a prompt that rows share once (PromptOnce; dense models, unpacked).
     `full` also returns the whole log-softmax at the target positions, (M, V) in the order of
     ids[tmask]. `routes` (B, T, MoE layers, k): the rollout's experts, replayed; `aux`: a list that
-    gets each MoE layer's load-balancing loss (moe.replaying)."""
+    gets each MoE layer's load-balancing loss (moe.replaying). Only the scored positions are
+    projected onto the vocabulary, `chunk` at a time (project_logprobs)."""
     B, T = ids.shape
     targets = torch.roll(ids, -1, 1)
     lens = (tmask.flip(1).cumsum(1).flip(1) > 0).sum(1) + 1  # row length = last target + 2
@@ -222,10 +259,8 @@ def token_logprobs(model, ids, tmask, temperature=1.0, packed=False, full=False,
         with replaying(model, None if routes is None else routes[:, :t], real, aux):
             h = model(ids[:, :t], hidden=True)  # (B, t, C)
         h_sel, tgt = h[tmask[:, :t]], targets[:, :t][tmask[:, :t]]
-    # only the scored positions are projected onto the vocabulary
-    logits = model.lm_head(h_sel).float() / temperature
-    lsm = logits.log_softmax(-1)
-    lp = lsm.gather(-1, tgt[:, None])[:, 0]
+    got = project_logprobs(model.lm_head, h_sel, tgt, temperature, chunk, full)
+    lp, lsm = got if full else (got, None)
     out = torch.zeros(B, T, device=ids.device, dtype=lp.dtype)
     out[tmask] = lp
     return (out, lsm) if full else out
@@ -246,7 +281,8 @@ def replay_mismatch(model, prompt_ids, ro, temperature=1.0, micro_batch=16, pad_
     dev = model.lm_head.weight.device
     for name in ("own", "replay"):
         diff, alpha, kl = [], [], []
-        for rows in torch.arange(len(ro)).split(micro_batch):
+        # host rows on purpose: ids, tmask and routes are the host's; each part goes to dev
+        for rows in torch.arange(len(ro), device="cpu").split(micro_batch):
             _, lsm = token_logprobs(model, ids[rows].to(dev), tmask[rows].to(dev), temperature,
                                     full=True, routes=routes[rows] if name == "replay" else None)
             diff.append((*disagreement(model, routes[rows], tmask[rows]), tmask[rows].sum()))
@@ -294,7 +330,7 @@ def batch_from_groups(kept, pool_ids, G, pad_id, adv_eps, dev, adv_norm="std", d
                              [row for k in kept for row in k.mask],
                              pad_id)  # groups from different refill tries have different lengths
     adv = torch.cat([group_advantages(k.rewards, G, adv_eps, adv_norm)[0] for k in kept])
-    roll = torch.zeros(tmask.shape)
+    roll = torch.zeros(tmask.shape, device="cpu")  # on the host on purpose, as ids: copied below
     roll[tmask] = torch.cat([lp[m] for k in kept for lp, m in zip(k.logp, k.mask)])
     if drop_rows is not None:
         # no token of theirs is trained on; the group's mean still counts them
@@ -346,8 +382,9 @@ def reference_logprobs(cfg, model, ids, tmask, packed, full=False, routes=None):
     before its first update, or the reference policy's. `full` also returns the whole log-softmax at
     the target positions (DistillSparse trains toward it). `routes`: replayed MoE experts."""
     parts = [token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed, full,
-                            None if routes is None else routes[r], share_prompt=shares_prompt(cfg))
-             for r in torch.arange(ids.shape[0]).split(cfg.micro_batch)]
+                            None if routes is None else routes[r], share_prompt=shares_prompt(cfg),
+                            chunk=cfg.logp_chunk)
+             for r in torch.arange(ids.shape[0], device=ids.device).split(cfg.micro_batch)]
     if not full:
         return torch.cat(parts) if parts else torch.zeros(0, ids.shape[1], device=ids.device)
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -388,10 +425,10 @@ def old_logprobs(cfg, model, ids, tmask, packed, chunks, single, dense_dist, rou
         return torch.zeros(ids.shape, device=ids.device), None
     old = torch.zeros(ids.shape, device=ids.device)
     with torch.no_grad():  # every rank runs as many forwards (chunks, in any order of rows)
-        for r in chunks(torch.arange(ids.shape[0])):
+        for r in chunks(torch.arange(ids.shape[0], device=ids.device)):
             old[r] = token_logprobs(model, ids[r], tmask[r], cfg.temperature, packed,
                                     routes=None if routes is None else routes[r],
-                                    share_prompt=shares_prompt(cfg))
+                                    share_prompt=shares_prompt(cfg), chunk=cfg.logp_chunk)
     return old, None
 
 
@@ -425,34 +462,44 @@ def row_order(cfg, tmask):
     return key
 
 
+def packs(cfg, model, ids):
+    """Whether the training forwards pack their rows (token_logprobs' `packed`): pack=on, or auto
+    where flash-attn's varlen kernel runs (CUDA, half precision: autocast's or the weights').
+    Without it, packing costs a dense (total x total) mask per forward (model.packed_causal_mask)."""
+    half = torch.bfloat16 if cfg.autocast == "bfloat16" else model.lm_head.weight.dtype
+    return cfg.pack == "on" or (cfg.pack == "auto" and flash_runs(ids.device, half))
+
+
 def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=None, ref_model=None,
-             dense_dist=False, masked=None, routes=None):
+             dense_dist=False, masked=None, routes=None, amp=None):
     """`passes` x `minibatches` optimizer steps over one batch of kept rollouts (the same count on
     every rank, whatever its share of the batch). Token-level loss over the global minibatch.
     `rollout_logp` (N, T), the rollout policy's log-probs at the target positions, drives the IS
     correction and the mismatch statistics. `group` is the trainers' process group (None: every
     rank); `ref_model` the frozen reference (kl_coef > 0). `routes` (N, T, MoE layers, k): the
-    rollout's experts (moe.replay_batch), replayed as cfg.router_replay says. Returns {"stats":
-    loss sum, tokens, clipped, skipped, grad norm (summed); this rank's mismatch figures;
-    "_dense_full": the dense log-softmax at the targets when `dense_dist`}."""
+    rollout's experts (moe.replay_batch), replayed as cfg.router_replay says. `amp`: the autocast
+    context (train.py's run.amp; None: none), entered afresh around the forwards only: autocast
+    keeps its bf16 copies of the weights until its outermost context exits, so a forward in the
+    context of an earlier optimizer step would see the weights before it. The caller must not hold
+    it open. Returns {"stats": loss sum, tokens, clipped, skipped, grad norm (summed); this rank's
+    mismatch figures; "_dense_full": the dense log-softmax at the targets when `dense_dist`}."""
     stats = torch.zeros(5, device=ids.device, dtype=torch.float64)
     ntok = tmask.sum().double()
     if world > 1:
         torch.distributed.all_reduce(ntok, group=group)
     if ntok.item() == 0:  # no rank kept a group: nothing to update (decided globally)
         return {"stats": stats}
-    packed = cfg.pack == "on" or (cfg.pack == "auto" and ids.is_cuda
-                                  and flash_attn_varlen_func is not None)
-    N = ids.shape[0]
-    key = row_order(cfg, tmask)
+    amp, packed, N = amp or contextlib.nullcontext(), packs(cfg, model, ids), ids.shape[0]
+    key = row_order(cfg, tmask)  # on the device, as the row indices it sorts (ids.device)
     chunks = lambda rows: micro_batches(rows[key[rows].argsort(stable=True)], cfg.micro_batch,
                                         cfg.fsdp, ids.device)
     # router replay (MoE): the rollout's experts in logp_old's pass; "update": in training too
     r_new = routes if cfg.router_replay == "update" else None
     single = cfg.passes * cfg.minibatches == 1 and not dense_dist and cfg.router_replay != "logprob"
-    old, dense_full = old_logprobs(cfg, model, ids, tmask, packed, chunks, single, dense_dist,
-                                   routes if cfg.router_replay != "off" else None)
-    ref = reference_logprobs(cfg, ref_model, ids, tmask, packed) if cfg.kl_coef > 0 else None
+    with amp:  # no-grad forwards before any step: one context
+        old, dense_full = old_logprobs(cfg, model, ids, tmask, packed, chunks, single, dense_dist,
+                                       routes if cfg.router_replay != "off" else None)
+        ref = reference_logprobs(cfg, ref_model, ids, tmask, packed) if cfg.kl_coef > 0 else None
     mode = cfg.is_correction if rollout_logp is not None else "none"
     weights = lambda o, rows: is_weights(o, o if rollout_logp is None else rollout_logp[rows],
                                          tmask[rows].float(), mode, cfg.is_cap, cfg.mis_low,
@@ -467,11 +514,12 @@ def train_on(cfg, model, opt, ids, tmask, adv, world, rollout_logp=None, group=N
             opt.zero_grad(set_to_none=True)
             loss_ok = True
             # the micro-batches may be none, or empty, on this rank
-            for micro in chunks(torch.arange(k, N, cfg.minibatches)):
+            for micro in chunks(torch.arange(k, N, cfg.minibatches, device=ids.device)):
                 aux = [] if cfg.moe_aux_coef > 0 else None  # MoE: the load-balancing loss
-                lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed,
-                                    routes=None if r_new is None else r_new[micro], aux=aux,
-                                    share_prompt=shares_prompt(cfg))
+                with amp:  # the forward only: the backward and the step run outside it
+                    lp = token_logprobs(model, ids[micro], tmask[micro], cfg.temperature, packed,
+                                        routes=None if r_new is None else r_new[micro], aux=aux,
+                                        share_prompt=shares_prompt(cfg), chunk=cfg.logp_chunk)
                 if single:
                     old[micro] = lp.detach()
                 w = weights(old[micro], micro)[0] if single else is_w[micro]

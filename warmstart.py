@@ -59,8 +59,8 @@ from transformers import AutoTokenizer
 from checkpoint import save_atomic
 from config import parse_config
 from model import ModelConfig, Transformer
-from tasks import (ALIGN, build_char_tokenizer, is_lagged, lagged_trace, load_gsm8k, load_math,
-                   load_mbpp, sft_problems, sft_seed, synthetic_trace)
+from tasks import (ALIGN, build_char_tokenizer, end_ids, is_lagged, lagged_trace, load_gsm8k,
+                   load_math, load_mbpp, sft_problems, sft_seed, synthetic_trace)
 from update import build_batch, token_logprobs
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -441,6 +441,9 @@ def build_policy(cfg, dev, log, rank=0, world=1):
         src = check_model(cfg.model)
         tok = AutoTokenizer.from_pretrained(src)
         model = Transformer.from_pretrained(src, device=dev)
+        # every id that ends a row, the generation config's too (Qwen3: <|endoftext|>, besides the
+        # tokenizer's <|im_end|>): the engines read them from model.config
+        model.config.eos_token_id = end_ids(tok, src, model.config.eos_token_id)
     else:
         tok = build_char_tokenizer(os.path.join(cfg.out_dir, "tokenizer"))
         if rank == 0:

@@ -3,16 +3,22 @@ bench/__main__.py: the command line. Runs one section, prints its table, and wit
 puts the table between the section's markers in bench/RESULTS.md.
 
     python -m bench SECTION [--quick] [--threads N] [--write-results]
-    python -m bench --help
+    python -m bench --help       # the sections, each with what it measures and its time
+
+Flags take either form, --threads 1 or --threads=1.
 
 Simplifications:
     1. The section's module is imported by name once the arguments are read, so a run loads only
        what its section needs, and `--help` loads no section.
     2. The command a row names is the one typed, with `python -m bench` in front.
+    3. A section that prints its rows as they finish has shown its table once it ends: the table is
+       printed again only when other output came between those rows (a long section's progress).
 """
 
 import argparse
+import contextlib
 import importlib
+import io
 import os
 import sys
 
@@ -20,15 +26,48 @@ import torch
 
 from bench.common import RESULTS, write_block
 
-# bench/<name>.py, each with run()
-SECTIONS = ("rollout", "signal", "sparrow", "regime", "lowalpha", "sparsecost", "sparsepath",
-            "specdecode", "pagereads", "gpu", "syncbytes", "step", "demo", "moe")
+# bench/<name>.py, each with run(): what it measures, and about how long it takes on 2 CPU cores
+SECTIONS = {
+    "rollout": "stage 2: the engine vs transformers (and vLLM), shared prefill, sparse attention "
+               "(15 min; --quick 2)",
+    "signal": "stages 1 and 3: growth-zone and dynamic sampling vs uniform, 5 seeds (30 min)",
+    "sparrow": "stage 2 in the loop: the nine sparse arms on the long-CoT task, 3 seeds (hours)",
+    "regime": "stage 2: the long-CoT regime, attention's share, pages each scorer needs (25 min)",
+    "lowalpha": "stage 2: where low alpha falls on the long-CoT task, by token type (30 min)",
+    "sparsecost": "stage 2: where a long-CoT decode step's time goes (4 min)",
+    "sparsepath": "stage 2: the CPU sparse path vs dense attention at 1k-4k tokens (20 min)",
+    "specdecode": "stage 2: self-speculative (lossless) decode vs dense, over k (10 min)",
+    "pagereads": "stage 2: what reading a fraction of the KV pages costs the memory system",
+    "gpu": "stage 2 on one GPU: kernel, Flex, SDPA, engine decode, 2:4, 5 RL steps (GPU only)",
+    "syncbytes": "stage 5: the bytes a bf16 copy's delta ships per step (4 min)",
+    "step": "a whole RL step against TRL's GRPOTrainer (pip install trl; 5 min)",
+    "demo": "the default's RL against iterated RFT, more SFT and SFT on every bin (75 min)",
+    "moe": "router replay in the loop on the tiny MoE, 3 seeds (25 min)",
+}
+
+
+class Tee(io.TextIOBase):
+    """stdout that also keeps what went through it."""
+    def __init__(self, out):
+        self.out, self.seen = out, io.StringIO()
+
+    def write(self, text):
+        self.seen.write(text)
+        return self.out.write(text)
+
+    def flush(self):
+        self.out.flush()
+
+    def isatty(self):
+        return self.out.isatty()
 
 
 def main(argv):
-    p = argparse.ArgumentParser(prog="python -m bench",
-                                description="side-by-side measurements, as a markdown table")
-    p.add_argument("section", choices=SECTIONS)
+    p = argparse.ArgumentParser(
+        prog="python -m bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="side-by-side measurements, as a markdown table",
+        epilog="sections:\n" + "\n".join(f"  {k:<11} {v}" for k, v in SECTIONS.items()))
+    p.add_argument("section", choices=list(SECTIONS), help="what to measure (below)")
     p.add_argument("--quick", action="store_true", help="smaller sizes: a smoke run")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: torch's default); on a busy machine 1 thread is "
@@ -52,8 +91,11 @@ def main(argv):
     if args.section == "sparrow":
         extra = {"jobs": args.jobs, **({"config": args.config} if args.config else {})}
         block += section.family(args.config or section.CONFIG)
-    table = "\n".join(section.run(args.quick, " ".join(["python -m bench"] + argv), **extra))
-    print("\n" + table)
+    out = Tee(sys.stdout)
+    with contextlib.redirect_stdout(out):
+        table = "\n".join(section.run(args.quick, " ".join(["python -m bench"] + argv), **extra))
+    if table not in out.seen.getvalue():  # not already shown, row after row (simplification 3)
+        print("\n" + table)
     if args.write_results:
         name = os.path.relpath(RESULTS)
         if write_block(block, table):

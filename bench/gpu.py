@@ -13,15 +13,21 @@ and this repository (no flash-attn, no datasets, no network). Its sections, in o
         rows) sizes; without such a GPU it is one "skipped" row;
     (f) the engine's greedy tokens against transformers' greedy `generate` on the same weights, in
         fp32 and bf16: rows identical, tokens agreeing before the first difference, tokens/s;
-    (g) five RL steps of train.py on a random-weight Qwen3-0.6B-shaped model in bf16, with the
-        character tokenizer (tasks.py) built offline: dense, sparse decode (1/4 of the pages) and
-        speculative (spec_k 8 over the same sparse budget): step time, peak GPU memory, and
-        whether every loss and gradient norm is finite.
+    (g) five RL steps of train.py at configs/countdown_qwen3.py's shapes (32 prompts x 8 rows,
+        1,024 new tokens, its micro-batch, fp32 weights under bf16 autocast) on a random-weight
+        Qwen3-0.6B-shaped model with the character tokenizer (tasks.py), all built offline:
+        dense, sparse decode (1/4 of the pages) and speculative (spec_k 8 over the same sparse
+        budget): step time beside the cost model's floor (step_cost, at this GPU's measured
+        rates), peak GPU memory (torch.cuda.max_memory_allocated) beside memory.py's prediction,
+        and whether every loss and gradient norm is finite.
 
-    python -m bench gpu                    # on a GPU: a few minutes; prints and writes the table
+    python -m bench gpu                    # on a GPU (not yet timed on one); prints, writes the table
     python -m bench gpu --quick            # toy sizes; on a CPU through Triton's interpreter (CI)
 
-The table goes to out/bench_gpu.md (and, with --write-results, to bench/RESULTS.md).
+Each row is printed and appended to out/bench_gpu.md as soon as it is measured, so a part that
+crashes (or a run cut short) keeps the rows before it; a part that raises writes a row with its
+error, in one line, and the next part runs. With --write-results the table also goes to
+bench/RESULTS.md.
 
 Simplifications:
     1. Random weights and random caches: speed does not depend on the values. The selection is
@@ -40,6 +46,8 @@ Simplifications:
        (f)'s bf16 agreement is a floor, and (g)'s reward is the completion's length parity
        (parity_rewards), since a random policy solves nothing and a group with no spread trains
        nothing. (g)'s step time leaves out step 0 (Triton compiles there).
+    7. (g)'s prompts are countdown's questions in the character tokenizer, one token a character
+       (about 400 tokens against about 130 in Qwen3's own); memory.py predicts at that length.
 """
 
 import contextlib
@@ -57,15 +65,18 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: E402
 
+import memory  # noqa: E402
 import reward  # noqa: E402
 import train  # noqa: E402
 from bench.common import _Ids, best_of, hardware  # noqa: E402
+from bench.cost import machine_rates, model_shape as cost_shape, rollout_cost  # noqa: E402
+from config import parse_config  # noqa: E402
 from zeros_kernels.block_sparse_decode import (  # noqa: E402
     _bytes_read, _make_problem, block_sparse_decode, block_sparse_decode_ref)
 from model import ModelConfig, Transformer  # noqa: E402
 from rollout import Engine  # noqa: E402
 from sparsity import fraction_budget, nm_mask  # noqa: E402
-from tasks import build_char_tokenizer  # noqa: E402
+from tasks import build_char_tokenizer, encode_pool, load_problems  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
@@ -85,14 +96,12 @@ def timer(dev):
 
 def correctness(dev, quick):
     """(a): rows of the kernel's max abs error against the reference, per dtype."""
-    rows = []
     shape = (2, 2, 2, 16, 8, 64, 3) if quick else (8, 8, 2, 128, 16, 4096, 32)
     for dtype, tol in TOLERANCE.items():
         p = _make_problem(*shape, dtype, dev)
         err = (block_sparse_decode(*p).float() - block_sparse_decode_ref(*p).float()).abs().max()
-        rows.append(f"| (a) kernel vs reference, {str(dtype)[6:]} | max abs err {err.item():.2e} | "
-                    f"tolerance {tol:g} | {'ok' if err.item() <= tol else 'FAIL'} |")
-    return rows
+        yield (f"| (a) kernel vs reference, {str(dtype)[6:]} | max abs err {err.item():.2e} | "
+               f"tolerance {tol:g} | {'ok' if err.item() <= tol else 'FAIL'} |")
 
 
 def flex_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel):
@@ -114,7 +123,7 @@ def flex_inputs(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel):
 
 def kernel_vs_dense(dev, quick):
     """(b): the kernel at 1/8 of the pages, SDPA dense, flex sparse: ms and GB/s, per context."""
-    ms, rows = timer(dev), []
+    ms = timer(dev)
     flex = torch.compile(flex_attention, dynamic=False)  # eager flex is a slow reference (and was
     # seen to mis-read a small block mask on the CPU): compiled, as it is meant to run
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -133,9 +142,8 @@ def kernel_vs_dense(dev, quick):
         for name, (fn, nbytes) in arms.items():
             fn()  # compile and warm up
             t = ms(fn)
-            rows.append(f"| (b) {name}, {ctx} tokens, batch {B} | {t:.3f} ms | "
-                        f"{nbytes / t / 1e6:.0f} GB/s | flex err {flex_err.item():.1e} |")
-    return rows
+            yield (f"| (b) {name}, {ctx} tokens, batch {B} | {t:.3f} ms | "
+                   f"{nbytes / t / 1e6:.0f} GB/s | flex err {flex_err.item():.1e} |")
 
 
 def engine_decode(dev, quick):
@@ -168,12 +176,12 @@ def engine_decode(dev, quick):
             t = eng.generate(prompts, G, seed=0).timings
         rate[name], acc = t["new_tokens"] / t["decode_s"], t.get("acceptance", acc)
     head = f"| (c) engine decode, {n_prompts} x {G} rows, {prompt}-token prompts, {new} new"
-    return [f"{head} | dense {rate['dense']:.0f} tok/s | 1/8 {rate['1/8']:.0f} tok/s | "
-            f"{rate['1/8'] / rate['dense']:.2f}x |",
-            f"{head}, lossless: the 1/8 draft (Triton kernel), k = 8, verified densely (SDPA over "
-            f"each row's pages) | dense {rate['dense']:.0f} tok/s | speculative "
-            f"{rate['speculative']:.0f} tok/s, acceptance {acc:.3f} | "
-            f"{rate['speculative'] / rate['dense']:.2f}x |"]
+    yield (f"{head} | dense {rate['dense']:.0f} tok/s | 1/8 {rate['1/8']:.0f} tok/s | "
+           f"{rate['1/8'] / rate['dense']:.2f}x |")
+    yield (f"{head}, lossless: the 1/8 draft (Triton kernel), k = 8, verified densely (SDPA over "
+           f"each row's pages) | dense {rate['dense']:.0f} tok/s | speculative "
+           f"{rate['speculative']:.0f} tok/s, acceptance {acc:.3f} | "
+           f"{rate['speculative'] / rate['dense']:.2f}x |")
 
 
 # Qwen3-1.7B's Linear shapes (out, in): q_proj and o_proj; k_proj and v_proj; gate and up; down
@@ -188,9 +196,10 @@ def semi_structured(dev, quick):
     cap = torch.cuda.get_device_capability() if dev == "cuda" else None
     if cap is None or cap < (8, 0):
         why = "no GPU" if cap is None else f"compute capability {cap[0]}.{cap[1]} < 8.0"
-        return [f"| (d) 2:4 semi-structured vs masked dense | skipped: {why} | | |"]
+        yield f"| (d) 2:4 semi-structured vs masked dense | skipped: {why} | | |"
+        return
     from torch.sparse import to_sparse_semi_structured
-    ms, rows = timer(dev), []
+    ms = timer(dev)
     shapes = {"toy": (256, 256)} if quick else SEMI_SHAPES
     for tokens in ((64,) if quick else (32, 4096)):
         for name, (out_f, in_f) in shapes.items():
@@ -205,11 +214,10 @@ def semi_structured(dev, quick):
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 t_dense, t_sparse = ms(lambda: F.linear(x, w)), ms(lambda: F.linear(x, ws))
             except (RuntimeError, ValueError, NotImplementedError) as e:
-                rows.append(f"{what} | sparse path failed: {str(e).splitlines()[0][:80]} | | |")
+                yield f"{what} | sparse path failed: {str(e).splitlines()[0][:80]} | | |"
                 continue
-            rows.append(f"{what} | masked dense {t_dense:.4f} ms | semi-structured "
-                        f"{t_sparse:.4f} ms | {t_dense / t_sparse:.2f}x, rel err {err:.1e} |")
-    return rows
+            yield (f"{what} | masked dense {t_dense:.4f} ms | semi-structured "
+                   f"{t_sparse:.4f} ms | {t_dense / t_sparse:.2f}x, rel err {err:.1e} |")
 
 
 # Qwen3-0.6B's shape (its vocabulary, tied embeddings); TOY: the smoke run's
@@ -238,7 +246,7 @@ def engine_vs_transformers(dev, quick):
     batch, prompt, new = (2, 8, 8) if quick else (8, 64, 128)
     ids = torch.randint(3, cfg.vocab_size, (batch, prompt),
                         generator=torch.Generator().manual_seed(0))
-    rows, out = [], {}
+    out = {}
     with tempfile.TemporaryDirectory() as d:
         Transformer(cfg).save_pretrained(d)
         for dtype in (torch.float32, torch.bfloat16):
@@ -254,12 +262,11 @@ def engine_vs_transformers(dev, quick):
                                         eos_token_id=None, pad_token_id=0)[:, prompt:].cpu()
             t = best_of({"ours": lambda: out.update(ours=eng.generate(ids.tolist(), 1).tokens),
                          "hf": run_hf}, repeats=1)
-            rows.append(f"| (f) engine vs transformers generate, {str(dtype)[6:]}, batch {batch}, "
-                        f"{new} new | {agreement(out['ours'].cpu(), out['hf'])} | "
-                        f"ours {batch * new / t['ours']:.0f} tok/s, transformers "
-                        f"{batch * new / t['hf']:.0f} tok/s | {t['hf'] / t['ours']:.2f}x |")
+            yield (f"| (f) engine vs transformers generate, {str(dtype)[6:]}, batch {batch}, "
+                   f"{new} new | {agreement(out['ours'].cpu(), out['hf'])} | "
+                   f"ours {batch * new / t['ours']:.0f} tok/s, transformers "
+                   f"{batch * new / t['hf']:.0f} tok/s | {t['hf'] / t['ours']:.2f}x |")
             del model, hf, eng
-    return rows
 
 
 @contextlib.contextmanager
@@ -284,61 +291,146 @@ def parity_rewards():
 RL_ARMS = {"dense": [],
            "sparse decode": ["--kv_budget=fraction:0.25"],
            "speculative": ["--kv_budget=fraction:0.25", "--rollout_mode=speculative", "--spec_k=8"]}
+RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                      "countdown_qwen3.py")
 
 
 def rl_run_args(folder, out_dir, dev, quick):
-    """train.py's arguments for (g): the saved random model in bf16, the synthetic task, no plot,
-    evaluation only at the start and the end."""
-    steps, per_step, group, new = (2, 2, 2, 16) if quick else (5, 8, 8, 256)
-    return [f"--model={folder}", "--task=synthetic", "--dtype=bfloat16", f"--device={dev}",
-            f"--steps={steps}", f"--prompts_per_step={per_step}", f"--group_size={group}",
-            f"--max_new_tokens={new}", "--n_train=256", f"--n_eval={4 if quick else 16}",
-            "--eval_every=1000", "--save_every=1000", "--plot=false", "--lr=1e-6",
-            "--warmup_steps=0", "--chat_template=false",
-            f"--micro_batch={4 if quick else 16}", f"--out_dir={out_dir}"]
+    """train.py's arguments for (g): configs/countdown_qwen3.py's shapes (prompts, rows, new
+    tokens, micro-batch, precision) on the saved random model and its character tokenizer, the
+    task's problems generated offline (a small pool), no plot, evaluation at the start and the
+    end only. --quick: toy sizes."""
+    toy = ["--prompts_per_step=2", "--group_size=2", "--max_new_tokens=16", "--micro_batch=2",
+           "--logp_chunk=8"] if quick else []
+    return [RECIPE, f"--model={folder}", f"--device={dev}", "--steps=5", "--n_train=64",
+            f"--n_eval={4 if quick else 16}", "--eval_every=1000", "--save_every=1000",
+            "--plot=false", "--warmup_steps=0", "--chat_template=false", f"--out_dir={out_dir}",
+            *toy]
+
+
+def step_cost(cfg, shape, prompt, flops, bandwidth):
+    """The cost model's seconds for one step of `cfg` (every row to max_new_tokens), a floor: no
+    launch or Python overheads, every matmul at `flops`, every byte at `bandwidth`. Decode is
+    bench/cost.py's rollout_cost per group (bf16 weights read once a step for all the rows); the
+    update 6 FLOPs per parameter and token (2 forward, 4 backward), the head's over the scored
+    positions only and once more for its recomputed chunks; prefill 2."""
+    P, layers, kv_heads, hd = cost_shape(shape)
+    D, r = 2 * layers * kv_heads * hd, shape.num_attention_heads // kv_heads
+    kvb = 2 if cfg.kv_dtype != "float32" else 4
+    one = rollout_cost(P, layers, cfg.group_size, r, D, prompt, cfg.max_new_tokens, flops,
+                       bandwidth, kv_bytes=kvb)
+    decode = cfg.prompts_per_step * one["dense_s"] + 2 * P * cfg.max_new_tokens / bandwidth
+    rows, head = cfg.prompts_per_step * cfg.group_size, shape.vocab_size * shape.hidden_size
+    scored, body = rows * cfg.max_new_tokens, P - head
+    tokens = cfg.prompts_per_step * prompt + scored  # shared prompts once
+    update = (6 * body * tokens + 8 * head * scored) * cfg.passes / flops
+    return {"decode_s": decode, "prefill_s": 2 * P * cfg.prompts_per_step * prompt / flops,
+            "update_s": update, "step_s": decode + update}
+
+
+def gpu_rates(dev):
+    """This device's matmul FLOP/s (bf16 on a GPU) and read bandwidth: the cost model's rates."""
+    if dev != "cuda":
+        return machine_rates(n=512, nbytes=32 << 20, repeats=1)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    x = torch.ones(1 << 28, device=dev)  # 1 GiB of fp32
+    t_mm, t_sum = triton.testing.do_bench(lambda: a @ a), triton.testing.do_bench(x.sum)
+    return 2 * 8192 ** 3 / (t_mm / 1e3), x.numel() * 4 / (t_sum / 1e3)
+
+
+def predicted(args, dev):
+    """memory.py's figure for a run of train.py `args` at the longest prompt of its pool (as the
+    run encodes it), and the cost model's inputs: -> (Prediction, config, shape, longest prompt)."""
+    from transformers import AutoTokenizer  # seconds to import: only here
+    cfg = parse_config(args)
+    shape = memory.model_shape(cfg)[0]  # the saved model's config.json
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    _, ids = encode_pool(tok, load_problems(cfg)[0], cfg, shape.max_position_embeddings,
+                         log=lambda s: None)
+    prompt = max(map(len, ids))
+    return memory.predict(cfg, shape, prompt, device=dev), cfg, shape, prompt
 
 
 def rl_steps(dev, quick):
-    """(g): train.py's RL steps on a random-weight model, dense, sparse and speculative: mean step
-    time (rollout + update), peak GPU memory, and whether every loss and gradient norm is
-    finite."""
+    """(g): train.py's RL steps at configs/countdown_qwen3.py's shapes on a random-weight
+    Qwen3-0.6B-shaped model, dense, sparse and speculative: mean step time (rollout + update)
+    beside the cost model's floor, the peak GPU memory beside memory.py's figure, and whether
+    every loss and gradient norm is finite. An arm that fails is a row with its error."""
     torch.manual_seed(0)
-    rows = []
+    rates = gpu_rates(dev)
     with tempfile.TemporaryDirectory() as d:
         folder = os.path.join(d, "model")
         Transformer(ModelConfig(**(TOY if quick else QWEN3_06B))).save_pretrained(folder)
         build_char_tokenizer(folder)  # offline: one token per character
         for arm, extra in RL_ARMS.items():
-            if dev == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            with parity_rewards():
-                recs = train.main(rl_run_args(folder, os.path.join(d, arm), dev, quick)
-                                  + extra)["records"]
-            timed = recs[1:] or recs  # step 0 compiles
-            gen = sum(r["gen_s"] for r in timed) / len(timed)
-            learn = sum(r.get("train_s", 0.0) for r in timed) / len(timed)
-            finite = all(math.isfinite(r.get(k, 0.0)) for r in recs for k in ("loss", "grad_norm"))
-            trained = sum(r.get("tokens", 0) for r in recs)
-            mem = (f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if dev == "cuda"
-                   else "peak memory: no GPU")
-            rows.append(f"| (g) {len(recs)} RL steps, {arm}, bf16 | step {gen + learn:.2f} s "
-                        f"(rollout {gen:.2f}, update {learn:.2f}) | {mem} | "
-                        f"{'finite' if finite else 'NOT FINITE'} loss and grad norms, "
-                        f"{trained} tokens trained |")
-    return rows
+            what = f"| (g) 5 RL steps, {arm}, countdown_qwen3's shapes"
+            try:
+                yield f"{what}{rl_arm(dev, folder, os.path.join(d, arm), quick, extra, rates)}"
+            except Exception as e:  # the row says why; the next arm runs
+                yield f"{what} | FAILED: {one_line(e)} | | |"
+
+
+def rl_arm(dev, folder, out_dir, quick, extra, rates):
+    """One arm of (g): its row, past the first column."""
+    args = rl_run_args(folder, out_dir, dev, quick) + extra
+    pred, cfg, shape, prompt = predicted(args, dev)
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    with parity_rewards():
+        recs = train.main(args)["records"]
+    timed = recs[1:] or recs  # step 0 compiles
+    gen = sum(r["gen_s"] for r in timed) / len(timed)
+    learn = sum(r.get("train_s", 0.0) for r in timed) / len(timed)
+    finite = all(math.isfinite(r.get(k, 0.0)) for r in recs for k in ("loss", "grad_norm"))
+    trained = sum(r.get("tokens", 0) for r in recs)
+    cost = step_cost(cfg, shape, prompt, *rates)
+    want = f"{pred.peak / 2**30:.2f} GiB predicted by memory.py (its {pred.phase})"
+    mem = (f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB measured, {want}, "
+           f"{pred.peak / torch.cuda.max_memory_allocated():.2f}x" if dev == "cuda"
+           else f"peak: no GPU; {want}")
+    return (f" ({cfg.prompts_per_step} x {cfg.group_size} rows, {cfg.max_new_tokens} new tokens, "
+            f"micro-batch {cfg.micro_batch}, {cfg.dtype} + {cfg.autocast} autocast) | step "
+            f"{gen + learn:.2f} s (rollout {gen:.2f}, update {learn:.2f}); the cost model's floor "
+            f"{cost['step_s']:.2f} s | {mem} | {'finite' if finite else 'NOT FINITE'} loss and "
+            f"grad norms, {trained} tokens trained |")
+
+
+def one_line(e):
+    """An exception as one line of a table cell."""
+    text = f"{type(e).__name__}: {str(e).strip()}".splitlines()[0]
+    return text.replace("|", "/")[:200]
+
+
+PARTS = {"a": ("kernel vs reference", correctness), "b": ("kernel vs SDPA and Flex", kernel_vs_dense),
+         "c": ("engine decode", engine_decode), "d": ("2:4 semi-structured", semi_structured),
+         "f": ("engine vs transformers", engine_vs_transformers), "g": ("RL steps", rl_steps)}
 
 
 def run(quick, cmd):
-    """-> the table, head included; also written to out/bench_gpu.md."""
+    """-> the table, head included. Each row is printed and appended to out/bench_gpu.md as soon
+    as it is measured; a part that fails writes a row with its error and the next part runs."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     hw = hardware(gpu=dev == "cuda")
     lines = [f"Hardware: {hw}. Command: `{cmd}`." + ("" if dev == "cuda" else
              " No GPU: Triton's interpreter at toy sizes, a smoke run (times mean nothing)."), "",
              "| what | figure | figure | note |", "|---|---|---|---|"]
-    for part in (correctness, kernel_vs_dense, engine_decode, semi_structured,
-                 engine_vs_transformers, rl_steps):
-        lines += part(dev, quick)
     os.makedirs("out", exist_ok=True)
-    with open(os.path.join("out", "bench_gpu.md"), "w") as f:
+    path = os.path.join("out", "bench_gpu.md")
+    with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+    def emit(row):
+        lines.append(row)
+        print(row, flush=True)
+        with open(path, "a") as f:  # written now: a later part that crashes keeps this row
+            f.write(row + "\n")
+
+    for letter, (name, part) in PARTS.items():
+        try:
+            for row in part(dev, quick):
+                emit(row)
+        except Exception as e:  # the error is the part's row; the table goes on
+            emit(f"| ({letter}) {name} | FAILED: {one_line(e)} | | |")
     return lines

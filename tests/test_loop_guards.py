@@ -90,7 +90,7 @@ def test_resume_reads_the_calibrated_schedule_instead_of_recalibrating(tmp_path,
     table = tmp_path / "kv_schedule.json"
     before = (table.stat().st_mtime_ns, table.read_text())
     capsys.readouterr()
-    train.main(run + ["--steps=2", "--resume=true"])
+    train.main(run + ["--steps=2", "--resume=true", "--resume_override=steps"])
     assert "calibrating" not in capsys.readouterr().out
     assert (table.stat().st_mtime_ns, table.read_text()) == before
 

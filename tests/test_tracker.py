@@ -46,10 +46,13 @@ def test_a_run_gives_the_tracker_its_config_every_record_and_the_plot(name, tmp_
     saved = json.loads((out / "config.json").read_text())
     assert json.loads(json.dumps(init[1]["config"])) == saved
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(logs) == len(recs) + 1 == 3  # a record a step, then the plot
-    for (_, metrics, step), rec in zip(logs, recs):
+    assert len(logs) == len(recs) + 2 == 4  # the start's figures, a record a step, the end's
+    assert logs[0][2] == 0 and "accuracy_before_rl" in logs[0][1]  # summary.json's, flat
+    for (_, metrics, step), rec in zip(logs[1:], recs):
         assert step == rec["step"] and json.loads(json.dumps({**metrics, "step": step})) == rec
-    assert logs[-1][1:] == ({"run.png": ("image", str(out / "run.png"))}, 1)
+    end, step = logs[-1][1:]
+    assert step == 1 and end["run.png"] == ("image", str(out / "run.png"))
+    assert end["ledger.png"] == ("image", str(out / "ledger.png")) and "summary/steps" in end
     assert calls[-1] == ("finish",) and os.path.exists(out / "run.png")
     if name == "wandb":  # offline unless the user says otherwise, its files inside the run's folder
         assert os.environ["WANDB_MODE"] == "offline" and init[1]["dir"] == str(out)
@@ -91,8 +94,8 @@ def test_trackio_itself_logs_a_run_offline(tmp_path):
     rows = [(step, json.loads(m)) for step, m in
             db.execute("select step, metrics from metrics where run_name = 'tracked' order by id")]
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [s for s, _ in rows] == [0, 1, 1]
-    for (step, metrics), rec in zip(rows, recs):
+    assert [s for s, _ in rows] == [0, 0, 1, 1]  # the start's figures, the steps, the end's
+    for (step, metrics), rec in zip(rows[1:], recs):
         assert set(metrics) == set(rec) - {"step"} and metrics["loss"] == rec["loss"]
     assert rows[-1][1]["run.png"]["_type"] == "trackio.image"
     (cfg,), = db.execute("select config from configs where run_name = 'tracked'")

@@ -35,7 +35,7 @@ def test_config_overrides_and_types(tmp_path):
     (["--steps=many"], "config key 'steps' wants int"),
     (["--steps=2.5"], "config key 'steps' wants int"),
     (["--plot=maybe"], "config key 'plot' wants a bool"),
-    (["--steps"], "must look like --key=value"),
+    (["--steps"], "config key 'steps' has no value: give --steps=VALUE or --steps VALUE"),
 ])
 def test_config_errors_name_the_key(argv, msg):
     with pytest.raises(ValueError, match=msg):
