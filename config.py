@@ -70,7 +70,8 @@ class Config:
     # ... and what differs, merged over rg_kwargs, for the warm start's SFT data (e.g.
     # {"max_terms": 4}: RL trains past SFT's range)
     sft_rg_kwargs: dict = field(default_factory=dict)
-    # ... and for the held-out set (e.g. {"max_terms": 12}: held out reaches past RL's range)
+    # what differs for the held-out set, merged over rg_kwargs (e.g. {"max_terms": 12}: held out
+    # reaches past RL's range)
     eval_rg_kwargs: dict = field(default_factory=dict)
     # question: the prompt is the item's question and tasks.RG_INSTRUCTION; expression: its
     # metadata's expression and "=" alone (chain_sum: "47+35-19="), compact for the character model;
@@ -424,6 +425,19 @@ def check(cfg, typed=()):
         raise ValueError("config keys: want lora_dropout < 1, clip_low < 1 and mis_low < mis_high")
     if cfg.overlong_buffer >= cfg.max_new_tokens:
         raise bad("overlong_buffer", f"smaller than max_new_tokens ({cfg.max_new_tokens})")
+    check_weights(cfg, bad)
+    if cfg.n_expert and not 1 <= cfg.n_expert_active <= cfg.n_expert:
+        raise bad("n_expert_active", f"within [1, n_expert={cfg.n_expert}]")
+    if cfg.tracker != "none" and importlib.util.find_spec(cfg.tracker) is None:  # not after SFT
+        raise ValueError(f"config key 'tracker' is {cfg.tracker!r}, but {cfg.tracker} is not "
+                         f"installed: `pip install {cfg.tracker}`, or --tracker=none")
+    check_kv_budget(cfg)
+    check_processes(cfg)
+    check_task(cfg, typed)
+
+
+def check_weights(cfg, bad):
+    """The rollout copy and the N:M mask: what trains and what generates."""
     # nmN:M also needs 0 < N <= M, which the pattern cannot say
     plan = cfg.rollout_copy.endswith(".json")
     if plan and not os.path.isfile(cfg.rollout_copy):
@@ -444,14 +458,6 @@ def check(cfg, typed=()):
     if cfg.nm and (cfg.lora_r or cfg.fsdp):
         raise bad("nm", "empty with lora_r or fsdp (an adapter's update is dense; masks are not "
                         "sharded)")
-    if cfg.n_expert and not 1 <= cfg.n_expert_active <= cfg.n_expert:
-        raise bad("n_expert_active", f"within [1, n_expert={cfg.n_expert}]")
-    if cfg.tracker != "none" and importlib.util.find_spec(cfg.tracker) is None:  # not after SFT
-        raise ValueError(f"config key 'tracker' is {cfg.tracker!r}, but {cfg.tracker} is not "
-                         f"installed: `pip install {cfg.tracker}`, or --tracker=none")
-    check_kv_budget(cfg)
-    check_processes(cfg)
-    check_task(cfg, typed)
 
 
 def check_kv_budget(cfg):

@@ -248,8 +248,9 @@ def sync_row(t, f, rates):
 
 def wall_time(t, seconds):
     """The RL loop's wall seconds by stage (measured): rollout (with its mismatch figures),
-    rewards, signal (the rest of collecting: the sampler, the filter, gathers), updates, sync,
-    held-out evaluation, and what is left (logging, checkpoints)."""
+    rewards, signal (the rest of collecting: the sampler, the filter, gathers; and a sparse run's
+    paired dense comparison, kv_compare_every), updates, sync, held-out evaluation, and what is
+    left (logging, checkpoints)."""
     rollout = t["gen_s"] + t["alpha_s"]
     out = {"signal": max(0.0, t["collect_s"] - rollout - t["t_reward"]), "rollout": rollout,
            "rewards": t["t_reward"], "updates": t["train_s"], "sync": t["sync_s"],
@@ -298,7 +299,9 @@ def skipped(done, naive):
     if done is None or not naive:
         return "-"
     s = 1 - done / naive
-    return f"{s:.0%}" if s >= 0 else f"+{-s:.0%} more"
+    if abs(s) < 0.005:  # AdamW's step counts beside its moments: not a skip either way
+        return "0%"
+    return f"{s:.0%}" if s > 0 else f"+{-s:.0%} more"
 
 
 def text(book):
@@ -400,10 +403,11 @@ def plot(book, path):
 
 if __name__ == "__main__":  # a finished run's ledger again, from its summary.json
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "out/tiny"
-    with open(os.path.join(out_dir, "summary.json")) as fh:
-        saved = json.load(fh).get("ledger")
+    path = os.path.join(out_dir, "summary.json")
+    saved = json.load(open(path)).get("ledger") if os.path.exists(path) else None
     if not saved:
-        sys.exit(f"{out_dir}/summary.json holds no ledger: the run did not finish")
+        sys.exit(f"{path} holds no ledger: give the out_dir of a run that finished "
+                 f"(python ledger.py <out_dir>)")
     print(text(saved))
     plot(saved, os.path.join(out_dir, "ledger.png"))
     print(f"wrote {os.path.join(out_dir, 'ledger.png')}")

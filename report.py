@@ -526,7 +526,8 @@ def write_block(section, text, path=RESULTS):
 
 # --help lists every key under the stage it acts in (a test checks that each key is in one)
 STAGES = {
-    "run": "out_dir seed device dtype autocast resume overwrite threads eval_every save_every "
+    "run": "out_dir seed device dtype autocast resume resume_override overwrite threads "
+           "eval_every save_every "
            "plot tracker fsdp",
     "model": "model chat_template chat_thinking n_layer n_embd n_head n_kv_head ffn n_expert "
              "n_expert_active moe_ffn",

@@ -180,9 +180,10 @@ def notes(cfg):
     trains on many times the default's tokens (hours on a CPU)."""
     out, runs = [], last_step(cfg) + 1
     if cfg.warmup_steps > runs:  # update.lr_at: lr * (step + 1) / warmup_steps until then
-        out.append(f"note: warmup_steps={cfg.warmup_steps} outlasts the {runs} steps that run: "
-                   f"the learning rate ends at {runs / cfg.warmup_steps:.2f} of lr={cfg.lr:g} "
-                   f"(--warmup_steps={runs} reaches it at the last step)")
+        out.append(f"note: warmup_steps={cfg.warmup_steps} outlasts the run ({runs} step"
+                   f"{'s' * (runs > 1)}): the learning rate ends at "
+                   f"{runs / cfg.warmup_steps:.2f} of lr={cfg.lr:g} (--warmup_steps={runs} "
+                   f"reaches it at the last step)")
     if (not cfg.model and cfg.task.startswith(RG_PREFIX) and not cfg.sft_init
             and not os.path.exists(cache_path(cfg))):
         times = sft_tokens(cfg) / sft_tokens(parse_config([]))

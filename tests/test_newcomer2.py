@@ -233,7 +233,7 @@ def test_a_warm_up_longer_than_the_run_says_so_before_the_warm_start(tmp_path, m
     no_build(monkeypatch)
     with pytest.raises(RuntimeError, match="build reached"):
         train.main(TINY_RUN + ["--steps=3", f"--out_dir={tmp_path}"])
-    assert "note: warmup_steps=5 outlasts the 3 steps" in capsys.readouterr().out
+    assert "note: warmup_steps=5 outlasts the run (3 steps)" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- 10: the log
@@ -327,8 +327,10 @@ def test_sparse_rollouts_docstring_calls_what_exists_and_the_dense_default_is_ex
     assert calls and "SparseRollout(cfg" not in doc
     for attr, args in calls:
         fn = getattr(SparseRollout, attr[1:]) if attr else SparseRollout.__init__
-        params = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
-        assert len(args.split(",")) == len(params), (attr, args, params)
+        params = [p for n, p in inspect.signature(fn).parameters.items()
+                  if n not in ("self", "cls")]
+        need = [p for p in params if p.default is inspect.Parameter.empty]
+        assert len(need) <= len(args.split(",")) <= len(params), (attr, args, params)
     assert "kv_budget=dense" in doc and "plain dense decoding" in doc
     src = open(os.path.join(ROOT, "train.py")).read()
     at = src.index("SparseRollout.for_run(cfg")
