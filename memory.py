@@ -12,31 +12,34 @@ shapes before any weight loads, and the check that refuses a run that will not f
 On a GPU, train.py prints the breakdown before the weights load and stops, in one line that gives
 the figure and the config keys that lower it, when the predicted peak exceeds the device's memory
 (torch.cuda.get_device_properties(dev).total_memory). `python -m bench gpu` puts the figure beside
-torch.cuda.max_memory_allocated for five RL steps; tests/test_memory.py checks it on the CPU against
-every byte torch allocates.
+torch.cuda.max_memory_allocated for five RL steps. tests/test_memory.py checks it on the CPU: an RL
+step's peak against every byte torch allocates (within 5%), what a training forward saves against
+autograd's own record (within 6%), and each term by hand.
 
-The terms, in bytes (P: parameters; each term says how it was counted):
-    1. weights          every parameter in config key dtype (tied embeddings once)
-    2. optimizer        AdamW's two moments of every trainable parameter, in its dtype
-    3. gradients        of the trainable parameters (LoRA: only the adapters). They are freed when
-                        a minibatch starts (zero_grad(set_to_none)) and made again by its backward,
-                        so they are held in every phase but the training forward's peak
-    4. autocast copies  autocast keeps a bf16 cast of every fp32 weight that requires grad for as
-                        long as its context lasts (a frozen weight is cast anew at each use)
-    5. reference        kl_coef > 0: a frozen copy of the policy
-    6. rollout copy     rollout_copy: bf16 2 bytes a parameter; fp8 1 byte a Linear weight (and a
-                        scale per row), the rest bf16; N:M the policy's dtype; DistillSparse a copy
-    7. KV pool          kv_pool_tokens tokens (0: one rollout batch) x 2 (K, V) x layers x KV heads x
-                        head_dim x kv_dtype's bytes, and a sparse budget's page metadata; the
-                        engine allocates it once and every generate call reuses it
-    8. training forward one micro-batch's saved activations (layer_activations, per token and
-                        layer), the attention's extra (masked SDPA: KV heads repeated, the mask),
-                        and the vocabulary projection of logp_chunk positions at a time
-    9. rollout          the decode step's logits and sampling for every row; a prefill forward
-    10. held-out        the greedy evaluation on the policy: its decode step, rows as the pool holds
-    11. optimizer step  foreach AdamW's temporary, one trainable-sized tensor
-Terms 1, 2 and 5-7 stay for the whole run; each phase (rollout, training, held-out, optimizer step)
-adds its own on top, and the peak is the largest phase.
+What it counts, in bytes. Held for the whole run:
+    weights             every parameter in config key dtype (tied embeddings once; LoRA adapters)
+    optimizer           AdamW's two moments of every trainable parameter (LoRA: the adapters)
+    reference           kl_coef > 0: a frozen copy of the policy
+    rollout copy        rollout_copy: bf16 2 bytes a parameter; fp8 1 byte a Linear weight and a
+                        4-byte scale a row, the rest bf16; N:M the policy's dtype; DistillSparse a
+                        copy
+    KV pool             kv_pool_tokens (0: one rollout batch, rollout.pool_pages) x 2 (K, V) x
+                        layers x KV heads x head_dim x kv_dtype's bytes, and a sparse budget's page
+                        metadata: allocated once, every generate call reuses it
+Each phase adds its own on top; the peak is the largest phase:
+    rollout             the gradients kept from the last step; autocast's cached bf16 casts of the
+                        trainable weights (when the policy generates); the decode step's logits and
+                        sampling for every row, or a prefill forward
+    training            one micro-batch at the start of its backward: the saved activations
+                        (layer_activations, per token and layer), the masked attention's extra
+                        (KV heads repeated, the mask), the scored positions' hidden states, the
+                        backward's largest moment (a logp_chunk projection recomputed and the
+                        head's gradients, or one layer's), the gradients of the micro-batches
+                        before it, and each Linear's bf16 weight under autocast, kept for the
+                        backward
+    held-out            the gradients, the cached casts, the greedy decode step of as many rows as
+                        the pool holds
+    optimizer step      the gradients and foreach AdamW's temporary (a trainable-sized list)
 
 Simplifications:
     1. The data is not loaded yet when the check runs: the longest prompt is taken as PROMPT_TOKENS
@@ -45,8 +48,8 @@ Simplifications:
        fragmentation, the CUDA context and cuBLAS's workspaces are not in it (about 1 GiB).
     3. One process. Under FSDP, the weights, gradients and optimizer state are divided among the
        ranks, plus a full replica to generate from; the disaggregated mode is counted as colocated.
-    4. Inside a layer's forward or backward, the transient tensors are counted as one more layer's
-       saved activations; kernels' own workspaces are not counted.
+    4. A layer's backward is counted as one more layer's saved activations; kernels' own
+       workspaces are not counted; every row runs to max_new_tokens.
     5. A model from the Hub needs its config.json: from the Hub or its cache, else the shapes
        below (KNOWN) for the models the configs name; otherwise nothing is predicted.
     6. On a CPU, the engine's packed weight copies (model.packed) are not counted.
@@ -109,7 +112,7 @@ def model_shape(cfg):
     except Exception as e:  # offline and not cached, or not a model transformers knows
         if cfg.model in KNOWN:
             return (ModelConfig.from_hf(KNOWN[cfg.model]),
-                    f"the shapes of {cfg.model} kept in memory.py (its config.json could not be "
+                    f"memory.py's copy of {cfg.model}'s shapes (its config.json could not be "
                     f"read: offline)")
         return None, f"{cfg.model}'s config.json could not be read ({type(e).__name__})"
 
@@ -283,10 +286,11 @@ def attention_path(cfg, shape, device, flash=None):
     return "causal"
 
 
-def training_terms(cfg, shape, n, prompt, device, flash=None):
+def training_terms(cfg, shape, n, prompt, device, flash=None, shard=1):
     """One micro-batch's training forward at its peak, the start of its backward: what the forward
-    saved, the vocabulary projection's chunk, one layer's backward, and the gradients: those of the
-    micro-batches before it in the minibatch, or, when it is the only one, the first made."""
+    saved, the backward's largest moment (the vocabulary projection's chunk and the head's
+    gradients, or one layer's), the gradients of the micro-batches before it in the minibatch, and
+    autocast's bf16 weights."""
     w, a, cast = precision(cfg)
     L, Hq, hd = shape.num_hidden_layers, shape.num_attention_heads, shape.head_dim
     B, new, path = cfg.micro_batch, cfg.max_new_tokens, attention_path(cfg, shape, device, flash)
@@ -326,8 +330,8 @@ def training_terms(cfg, shape, n, prompt, device, flash=None):
                   f"{chunk:,} positions x {V:,} logits and the head's gradient" if head >= layer
                   else "one layer's (simplification 4)", ("logp_chunk",))]
     if before:
-        terms.append(Term("gradients", n["trainable"] * w, "the micro-batches before this one "
-                          "made them", ("lora_r", "dtype")))
+        terms.append(Term("gradients", n["trainable"] * w / shard, "the micro-batches before "
+                          "this one made them", ("lora_r", "dtype")))
     if cast:  # every Linear's bf16 weight, kept for the backward (the head's is recomputed); a
         # frozen one (LoRA) is cast anew by each forward: the shared prompt's and its rows'
         twice = 2 if cfg.lora_r and path == "shared prompt" else 1
@@ -344,7 +348,7 @@ def decode_bytes(cfg, shape, rows, greedy=False):
     head's output, its fp32 copy, the scaled logits and the log-softmax (greedy: argmax and the
     log-softmax), the probabilities; the top-k log-probs' own log-softmax when the rollout is
     measured against the policy. A speculative verify scores spec_k + 1 positions a row."""
-    w, a, _ = precision(cfg)
+    _, a, _ = precision(cfg)
     width = 1 if greedy or cfg.rollout_mode != "speculative" else cfg.spec_k + 1
     measured = not greedy and (cfg.rollout_copy != "same" or cfg.kv_budget != "dense")
     return rows * width * shape.vocab_size * (a + (8 if greedy else 12) + (8 if measured else 0))
@@ -360,11 +364,13 @@ def prefill_bytes(cfg, shape, prompt, rows):
     return T * (3 * a * F + 4 * w * shape.hidden_size)
 
 
-def phase_terms(cfg, shape, n, prompt, device, flash=None):
+def phase_terms(cfg, shape, n, prompt, device, flash=None, world=1):
     """{phase: [Terms]} on top of the held terms: rollout, training, held-out, optimizer step."""
-    w, a, cast = precision(cfg)
-    grads = Term("gradients", n["trainable"] * w, f"{n['trainable'] / 1e6:,.1f}M x {cfg.dtype}, "
-                 "kept from the last step", ("lora_r", "dtype"))
+    w, _, cast = precision(cfg)
+    shard = world if cfg.fsdp else 1  # FSDP: each rank holds its share of the gradients
+    grads = Term("gradients", n["trainable"] * w / shard,
+                 f"{n['trainable'] / 1e6:,.1f}M x {cfg.dtype}, kept from the last step",
+                 ("lora_r", "dtype"))
     policy = cfg.rollout_copy == "same" and not cfg.distill_r  # the policy itself generates
     cached = [Term("autocast copies", 2 * n["cached"], "bf16 casts of the trainable Linear "
                    "weights, cached", ("lora_r", "autocast"))] if cast else []
@@ -378,7 +384,7 @@ def phase_terms(cfg, shape, n, prompt, device, flash=None):
     return {"rollout": [grads] + (cached if policy else [])
             + [Term("decode step", roll, f"{N} rows x {shape.vocab_size:,} logits, sampled; or "
                     "a prefill forward", ("prompts_per_step", "group_size"))],
-            "training": training_terms(cfg, shape, n, prompt, device, flash),
+            "training": training_terms(cfg, shape, n, prompt, device, flash, shard),
             "held-out": [grads] + cached + [Term("decode step", held, f"{rows} rows a call (the "
                                                  "pool's), greedy", ("kv_pool_tokens",))],
             "optimizer step": [grads, Term("AdamW's temporary", step, "foreach: a trainable-"
@@ -393,7 +399,7 @@ def predict(cfg, shape, prompt=PROMPT_TOKENS, device="cuda", flash=None, world=1
     name = cfg.model or "the tiny model"
     return Prediction(f"{name}, {n['all'] / 1e6:,.1f}M parameters, {device}",
                       held_terms(cfg, shape, n, device, prompt, world),
-                      phase_terms(cfg, shape, n, prompt, device, flash))
+                      phase_terms(cfg, shape, n, prompt, device, flash, world))
 
 
 # ----------------------------------------------------------------------------- printing, refusing
@@ -403,13 +409,15 @@ def gib(x):
     return f"{x / GiB:.2f} GiB"
 
 
-def breakdown(pred, total=None, card=""):
-    """The prediction as lines: the held terms, each phase's own, the peak against `total` bytes."""
+def breakdown(pred, total=None, card="", short=False):
+    """The prediction as lines: the held terms, each phase's own (short: the peak phase's only),
+    the peak against `total` bytes."""
     lines = [f"memory, predicted (not measured) for {pred.model}:"]
     lines += [f"  {t.name:<22}{gib(t.bytes):>11}  {t.how}" for t in pred.held if t.bytes]
     for phase, terms in pred.phases.items():
         lines.append(f"  + {phase}: {gib(pred.total(phase))} in all")
-        lines += [f"    {t.name:<20}{gib(t.bytes):>11}  {t.how}" for t in terms if t.bytes]
+        if not short or phase == pred.phase:
+            lines += [f"    {t.name:<20}{gib(t.bytes):>11}  {t.how}" for t in terms if t.bytes]
     head = f"  peak {gib(pred.peak)}, in the {pred.phase}"
     if total:
         spare = total - pred.peak
@@ -442,9 +450,9 @@ def check_fits(cfg, dev, log, world=1):
         log(f"memory: not predicted: {source}")
         return None
     pred = predict(cfg, shape, device=dev.type, world=world)
-    pred.notes.append(f"shapes from {source}; the longest prompt taken as {PROMPT_TOKENS} tokens")
+    pred.notes.append(f"shapes: {source}; the longest prompt taken as {PROMPT_TOKENS} tokens")
     props = torch.cuda.get_device_properties(dev)
-    log(breakdown(pred, props.total_memory, props.name))
+    log(breakdown(pred, props.total_memory, props.name, short=True))
     if pred.peak > props.total_memory:
         raise ValueError(refusal(pred, props.total_memory, props.name))
     return pred
@@ -462,10 +470,10 @@ def main(argv):
     if shape is None:
         raise ValueError(f"memory: {source}")
     pred = predict(cfg, shape, int(opts.get("--prompt", PROMPT_TOKENS)))
-    pred.notes.append(f"shapes from {source}; the longest prompt taken as "
+    pred.notes.append(f"shapes: {source}; the longest prompt taken as "
                       f"{opts.get('--prompt', PROMPT_TOKENS)} tokens")
     print(breakdown(pred, GPUS[card] * GiB, f"an {card} ({GPUS[card]} GiB as torch reports it)"))
 
 
 if __name__ == "__main__":
-    sys.exit(cli(main, sys.argv[1:]))
+    sys.exit(cli(main, sys.argv[1:], lambda argv: __doc__))

@@ -21,7 +21,7 @@ and this repository (no flash-attn, no datasets, no network). Its sections, in o
         rates), peak GPU memory (torch.cuda.max_memory_allocated) beside memory.py's prediction,
         and whether every loss and gradient norm is finite.
 
-    python -m bench gpu                    # on a GPU (not yet timed on one); prints, writes the table
+    python -m bench gpu                    # on a GPU (not timed on one yet); prints, writes a table
     python -m bench gpu --quick            # toy sizes; on a CPU through Triton's interpreter (CI)
 
 Each row is printed and appended to out/bench_gpu.md as soon as it is measured, so a part that
@@ -51,6 +51,7 @@ Simplifications:
 """
 
 import contextlib
+import dataclasses
 import math
 import os
 import tempfile
@@ -127,8 +128,10 @@ def kernel_vs_dense(dev, quick):
     flex = torch.compile(flex_attention, dynamic=False)  # eager flex is a slow reference (and was
     # seen to mis-read a small block mask on the CPU): compiled, as it is meant to run
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    for ctx in ((64,) if quick else (8192, 32768)):
-        B, H_kv, G, D, P = (1, 2, 2, 16, 8) if quick else (16, 8, 2, 128, 16)
+    for ctx in ((128,) if quick else (8192, 32768)):
+        # pages of 16 tokens at the least: compiled flex on the CPU (torch 2.13) reads a KV block
+        # of 8 wrong, about 2 off the reference
+        B, H_kv, G, D, P = (1, 2, 2, 16, 16) if quick else (16, 8, 2, 128, 16)
         p = _make_problem(B, H_kv, G, D, P, ctx, max(4, ctx // P // 8), dtype, dev)
         q, read = p[0], _bytes_read(p[1], *p[3:])  # K and V bytes of the selected pages
         kc, vc, mask, qg = flex_inputs(*p)
@@ -309,21 +312,35 @@ def rl_run_args(folder, out_dir, dev, quick):
 
 
 def step_cost(cfg, shape, prompt, flops, bandwidth):
-    """The cost model's seconds for one step of `cfg` (every row to max_new_tokens), a floor: no
-    launch or Python overheads, every matmul at `flops`, every byte at `bandwidth`. Decode is
-    bench/cost.py's rollout_cost per group (bf16 weights read once a step for all the rows); the
-    update 6 FLOPs per parameter and token (2 forward, 4 backward), the head's over the scored
-    positions only and once more for its recomputed chunks; prefill 2."""
+    """The cost model's seconds for one step of `cfg` (one try, every row to max_new_tokens), a
+    floor: no launch or Python overheads, every matmul at `flops`, every byte at `bandwidth`.
+    Decode is bench/cost.py's rollout_cost per group (at a fraction:F budget, its sparse figure),
+    plus the bf16 weights read once a step for all the rows (an MoE's experts as many as its rows
+    pick); the update 6 FLOPs per parameter and token (2 forward, 4 backward; 4 under LoRA, whose
+    frozen weights take no gradient), the head's over the scored positions only and once more
+    for its recomputed chunks; prefill 2."""
     P, layers, kv_heads, hd = cost_shape(shape)
     D, r = 2 * layers * kv_heads * hd, shape.num_attention_heads // kv_heads
     kvb = 2 if cfg.kv_dtype != "float32" else 4
+    # a fraction budget reads fewer pages; a speculative rollout verifies every token densely
+    frac = cfg.kv_budget.startswith("fraction:") and cfg.rollout_mode != "speculative"
     one = rollout_cost(P, layers, cfg.group_size, r, D, prompt, cfg.max_new_tokens, flops,
-                       bandwidth, kv_bytes=kvb)
-    decode = cfg.prompts_per_step * one["dense_s"] + 2 * P * cfg.max_new_tokens / bandwidth
+                       bandwidth, kv_bytes=kvb, dense_layers=cfg.dense_layers,
+                       schedule=fraction_budget(float(cfg.kv_budget[9:])) if frac else None,
+                       page_size=cfg.page_size, keep_first=cfg.kv_keep_first,
+                       keep_recent=cfg.kv_keep_recent)
     rows, head = cfg.prompts_per_step * cfg.group_size, shape.vocab_size * shape.hidden_size
+    read = P  # the parameters a decode step reads: an MoE's experts that its rows pick
+    if shape.num_experts:
+        every = memory.count_params(dataclasses.replace(cfg, lora_r=0), shape)["all"]
+        every -= 0 if shape.tie_word_embeddings else head  # the embedding is a lookup
+        read = P + (every - P) * min(1.0, rows * shape.num_experts_per_tok / shape.num_experts)
+    decode = (cfg.prompts_per_step * one["sparse_s" if frac else "dense_s"]
+              + 2 * read * cfg.max_new_tokens / bandwidth)
     scored, body = rows * cfg.max_new_tokens, P - head
     tokens = cfg.prompts_per_step * prompt + scored  # shared prompts once
-    update = (6 * body * tokens + 8 * head * scored) * cfg.passes / flops
+    per = 4 if cfg.lora_r else 6
+    update = (per * body * tokens + (per + 2) * head * scored) * cfg.passes / flops
     return {"decode_s": decode, "prefill_s": 2 * P * cfg.prompts_per_step * prompt / flops,
             "update_s": update, "step_s": decode + update}
 
@@ -385,14 +402,15 @@ def rl_arm(dev, folder, out_dir, quick, extra, rates):
     finite = all(math.isfinite(r.get(k, 0.0)) for r in recs for k in ("loss", "grad_norm"))
     trained = sum(r.get("tokens", 0) for r in recs)
     cost = step_cost(cfg, shape, prompt, *rates)
-    want = f"{pred.peak / 2**30:.2f} GiB predicted by memory.py (its {pred.phase})"
-    mem = (f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB measured, {want}, "
+    size = lambda x: f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
+    want = f"{size(pred.peak)} predicted by memory.py (its {pred.phase})"
+    mem = (f"peak {size(torch.cuda.max_memory_allocated())} measured, {want}, "
            f"{pred.peak / torch.cuda.max_memory_allocated():.2f}x" if dev == "cuda"
            else f"peak: no GPU; {want}")
     return (f" ({cfg.prompts_per_step} x {cfg.group_size} rows, {cfg.max_new_tokens} new tokens, "
             f"micro-batch {cfg.micro_batch}, {cfg.dtype} + {cfg.autocast} autocast) | step "
             f"{gen + learn:.2f} s (rollout {gen:.2f}, update {learn:.2f}); the cost model's floor "
-            f"{cost['step_s']:.2f} s | {mem} | {'finite' if finite else 'NOT FINITE'} loss and "
+            f"{cost['step_s']:.3g} s | {mem} | {'finite' if finite else 'NOT FINITE'} loss and "
             f"grad norms, {trained} tokens trained |")
 
 
@@ -402,7 +420,9 @@ def one_line(e):
     return text.replace("|", "/")[:200]
 
 
-PARTS = {"a": ("kernel vs reference", correctness), "b": ("kernel vs SDPA and Flex", kernel_vs_dense),
+# the table's parts in order: letter -> (what, a generator of its rows)
+PARTS = {"a": ("kernel vs reference", correctness),
+         "b": ("kernel vs SDPA and Flex", kernel_vs_dense),
          "c": ("engine decode", engine_decode), "d": ("2:4 semi-structured", semi_structured),
          "f": ("engine vs transformers", engine_vs_transformers), "g": ("RL steps", rl_steps)}
 

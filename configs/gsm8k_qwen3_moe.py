@@ -1,8 +1,12 @@
 # python train.py configs/gsm8k_qwen3_moe.py
-# One GPU (an H200's 141 GB; an 80 GB card is too small for the bf16 weights plus activations): GRPO on GSM8K
-# from Qwen3-30B-A3B (48 layers of 128 experts, 8 per token) with router replay. Needs a network for the model
-# and the data. Status: NOT RUN. Written from the model's config and this repository's memory arithmetic only; no
-# step of it has been run on a GPU.
+# One GPU, an H200: GRPO on GSM8K from Qwen3-30B-A3B (48 layers of 128 experts, 8 per token) with router replay.
+# Needs a network for the model and the data. Status: NOT RUN; no step of it has been run on a GPU.
+# Predicted by memory.py, not measured: peak memory 91.9 GiB, in the training forward, of an H200's 139.8 GiB: the
+# bf16 weights 60.0 GiB (LoRA's 1.7B adapter parameters included), a micro-batch's activations 14.1 GiB, AdamW
+# 6.3, the KV pool 6.6, the gradients 3.1. An H100 80GB (79.1 GiB) is too small: train.py refuses it at start
+# (`python memory.py configs/gsm8k_qwen3_moe.py --gpu=H200` prints the breakdown). One step, every row to 512
+# tokens, at least 8.2 s on an H200 by the cost model (bench/gpu.py's step_cost at the datasheet's rates: decode
+# reads every expert's bf16 weights each step; no overheads, and none of the reference MoE's expert loop): a floor.
 model = "Qwen/Qwen3-30B-A3B"
 task = "gsm8k"          # openai/gsm8k, config "main": train for RL, test for held-out accuracy
 n_train = 0

@@ -207,6 +207,17 @@ def test_each_term_by_hand():
     assert train_terms["backward"] == max(12 * 8 * 10 + 2 * 40 * 4, 3 * 40 * per)
     assert train_terms["gradients"] == 176 * 4  # 6 rows a step, 3 a micro-batch: one came first
     assert terms["optimizer step"]["AdamW's temporary"] == 176 * 4  # foreach, on CUDA
+    # held-out: as many rows as the pool's 320 tokens hold at 40 a row; their prefill is larger
+    assert terms["held-out"]["decode step"] == max(8 * 10 * (4 + 8), 8 * 20 * (3 * 4 * 6 + 16 * 4))
+    amp_terms = {p: {t.name: t.bytes for t in ts}
+                 for p, ts in memory.phase_terms(amp, shape, n, 20, "cuda").items()}
+    # autocast caches the bf16 casts of the Linear weights that train (the tied head's too);
+    # a training forward keeps every Linear's but the head's, which its chunks cast anew
+    assert amp_terms["rollout"]["autocast copies"] == 2 * (120 + 40)
+    assert amp_terms["training"]["autocast copies"] == 2 * 120
+    kl = {t.name: t.bytes for t in memory.held_terms(dataclasses.replace(cfg, kl_coef=0.1), shape,
+                                                      n, "cuda", prompt=20)}
+    assert kl["reference"] == 176 * 4
 
 
 def _qwen_folder(tmp_path):
@@ -250,7 +261,7 @@ def test_offline_the_known_shapes_serve_and_the_cli_prints_the_breakdown(monkeyp
     monkeypatch.setattr(warmstart, "hub_state", lambda: "the Hub cannot be reached")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     shape, note = memory.model_shape(Config(model="Qwen/Qwen3-0.6B"))
-    assert shape.hidden_size == 1024 and "kept in memory.py" in note
+    assert shape.hidden_size == 1024 and "memory.py's copy" in note
     assert memory.model_shape(Config(model="nobody/unknown-model"))[0] is None
     memory.main(["configs/countdown_qwen3.py", "--gpu=H100"])
     out = capsys.readouterr().out

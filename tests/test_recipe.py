@@ -1,7 +1,8 @@
 """The one-GPU recipe's two traps, offline: Qwen3's chat template leaves thinking on unless the
 prompt is rendered with enable_thinking=False (config key chat_thinking), and Qwen3 ends a turn
-with either of two tokens, the tokenizer's EOS (<|im_end|>) and the one its generation_config.json
-adds (<|endoftext|>): each must end a row. A character tokenizer and a tiny random model stand in."""
+with either of two tokens, the tokenizer's EOS (<|im_end|>) and the one its
+generation_config.json adds (<|endoftext|>): each must end a row. A character tokenizer and a tiny
+random model stand in."""
 import json
 
 import torch
