@@ -283,16 +283,16 @@ def tv_bin_stats(alpha, pages, rows, bin_pages, n_bins=None, q=0.05):
     n_bins = n_bins or (int(b.max()) + 1 if b.numel() else 1)
     b = b.clamp(max=n_bins - 1)
     cell = r * n_bins + b  # (rollout, bin) of every token
-    tv_cell = torch.zeros(R * n_bins).index_add_(0, cell, tv).view(R, n_bins)
+    tv_cell = torch.zeros(R * n_bins, device="cpu").index_add_(0, cell, tv).view(R, n_bins)
     n_cell = torch.bincount(cell, minlength=R * n_bins).view(R, n_bins)
     total, lens = tv_cell.sum(1), n_cell.sum(1).float()
-    held = torch.full((n_bins,), float("nan"))
+    held = torch.full((n_bins,), float("nan"), device="cpu")  # host figures, like the inputs
     for j in range(n_bins):
         here = n_cell[:, j] > 0
         if here.any():
             rate = tv_cell[here, j] / n_cell[here, j]
             held[j] = rate.quantile(1 - q) * lens.mean()
-    nan = torch.tensor(float("nan"))
+    nan = torch.tensor(float("nan"), device="cpu")
     return {"count": n_cell.sum(0), "rollouts": (n_cell > 0).sum(0), "held": held, "tv": total,
             "tv_tail": total.quantile(1 - q) if R else nan, "tv_mean": total.mean() if R else nan,
             "len_mean": lens.mean() if R else nan}
@@ -314,8 +314,8 @@ def read_fraction(budget, dense, mask, bin_pages, n_layers, dense_layers, n_bins
     b = b.clamp(max=n_bins - 1)
     sparse = n_layers - dense_layers
     per_tok = (rd * sparse + dn * dense_layers) / n_layers  # pages a layer reads, on average
-    num = torch.zeros(n_bins, dtype=torch.double).index_add_(0, b, per_tok)
-    den = torch.zeros(n_bins, dtype=torch.double).index_add_(0, b, dn)
+    num = torch.zeros(n_bins, dtype=torch.double, device=b.device).index_add_(0, b, per_tok)
+    den = torch.zeros(n_bins, dtype=torch.double, device=b.device).index_add_(0, b, dn)
     sp = (rd.sum() / dn.sum()).item() if dn.sum() > 0 else float("nan")
     layers = [1.0] * dense_layers + [sp] * sparse
     return {"layers": layers, "bins": (num / den).tolist(),
@@ -423,7 +423,7 @@ def observe(alpha, pages, bin_pages, schedule=None, controller=None, q=0.05, row
     schedule's table toward the smallest budgets whose held figure meets its target."""
     if alpha.numel() == 0:
         return {}
-    every = torch.ones(1, alpha.numel(), dtype=torch.bool)
+    every = torch.ones(1, alpha.numel(), dtype=torch.bool, device=alpha.device)
     st = bin_stats(alpha[None], every, pages[None], bin_pages, q=q)
     rec = {"alpha_mean": alpha.mean().item(), "alpha_p5": alpha.quantile(0.05).item(),
            "alpha_bins": {**{k: st[k].tolist() for k in ("count", "mean", "p5")}, "q": q}}

@@ -368,10 +368,12 @@ def generate_and_score(cfg, step, t, batch, run, rec):
     for k, v in run.sparse.after_rollout(step, t, ro, batch, prompt_ids, seed, res.rewards,
                                          run.cascade, ref, me, n).items():
         rec[k] = rec.get(k, 0.0) + v if k == "alpha_s" else v
-    r = torch.tensor(res.rewards, dtype=torch.float32)
+    # host on purpose: the sampler and the groups read them there (batch_from_groups copies them)
+    r = torch.tensor(res.rewards, dtype=torch.float32, device="cpu")
     if cfg.overlong_buffer:  # DAPO's soft overlong punishment, on top of the verifier's reward
         r += torch.tensor(overlong_penalty(ro.mask.sum(1).tolist(), cfg.max_new_tokens,
-                                           cfg.overlong_buffer, cfg.overlong_penalty))
+                                           cfg.overlong_buffer, cfg.overlong_penalty),
+                          device="cpu")
     return ro, res, r.view(-1, G)
 
 
@@ -386,7 +388,7 @@ def keep_groups(cfg, batch, ro, r, has, kept, n_local):
             kept.append(Group(
                 batch[g][0], ro.tokens[rows], ro.mask[rows], r[g], ro.logp[rows],
                 None if ro.read_pages is None else ro.read_pages[rows],
-                torch.tensor([f == "length" for f in ro.finish[rows]]),
+                torch.tensor([f == "length" for f in ro.finish[rows]], device="cpu"),  # host
                 None if ro.experts is None else ro.experts.take(range(len(ro))[rows])))
     return zero_adv
 

@@ -33,12 +33,13 @@ CASES = {
 @pytest.fixture
 def meta_default():
     """torch's default device set to meta for the test's body, restored however it ends."""
-    before = torch.get_default_device()
     torch.set_default_device("meta")
     try:
         yield
     finally:
-        torch.set_default_device(before)
+        # None, not cpu: a default device is a torch-function mode that would stay on and
+        # re-enter every torch function in the tests after this one
+        torch.set_default_device(None)
 
 
 def generate(engine, force=None):

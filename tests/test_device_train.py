@@ -20,12 +20,13 @@ CPU, G = torch.device("cpu"), 4
 
 @contextlib.contextmanager
 def default_device_meta():
-    before = torch.get_default_device()
     torch.set_default_device("meta")
     try:
         yield
     finally:
-        torch.set_default_device(before)
+        # None, not cpu: a default device is a torch-function mode that would stay on and
+        # re-enter every torch function in the tests after this one
+        torch.set_default_device(None)
 
 
 def tiny(seed=0, **kw):
