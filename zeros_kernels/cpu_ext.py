@@ -10,6 +10,7 @@ ZEROS_CPU_KERNEL=0 turns every C++ kernel off.
 """
 
 import functools
+import hashlib
 import os
 import time
 import warnings
@@ -51,8 +52,11 @@ def load_cpu_ext(name):
     try:
         from torch.utils.cpp_extension import load  # lazy: it pulls in the build tooling
         src = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.cpp")
-        clear_stale_lock(f"zeros_{name}_{isa.lower()}")
-        return load(f"zeros_{name}_{isa.lower()}", [src], extra_cflags=flags)
+        with open(src, "rb") as f:  # the source's hash in the name: two checkouts (or versions)
+            tag = hashlib.sha1(f.read()).hexdigest()[:10]  # never load each other's build
+        build = f"zeros_{name}_{isa.lower()}_{tag}"
+        clear_stale_lock(build)
+        return load(build, [src], extra_cflags=flags)
     except Exception as e:  # no compiler or no ninja: the PyTorch path instead
         warnings.warn(f"the C++ kernel {name} did not build ({e}); using the PyTorch path")
         return None
