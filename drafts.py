@@ -301,6 +301,7 @@ class DraftStats:
     def log(self):
         """Figures for the step's metrics record, keyed by the drafter's name."""
         return {f"{self.name}_drafted": self.drafted, f"{self.name}_accepted": self.accepted,
+                f"{self.name}_rejections": self.rejections,
                 f"{self.name}_acceptance": self.accepted / max(1, self.drafted),
                 f"{self.name}_accept_geom": self.accepted / max(1, self.accepted
                                                                 + self.rejections),

@@ -7,13 +7,15 @@ a sparse selection picks.
                          budget=fraction_budget(1 / 8), scorer="centroid", rescore_every=1,
                          pool=KVPool())  # storage kept across calls (None: the cache's own)
     cache.begin_prefill(groups)  # [(prompt length, rows)]: a shared prompt's full pages stored once
-    cache.begin_decode(rows)     # one new token per live row: the step's index tensors
+    rows = cache.begin_round(rows, slots, state)  # a round of static decode steps (decode.py)
+    cache.lay_step(slots)        # each of its steps: the index tensors, on the device
     model(tokens, cache=cache)   # the model calls cache.positions, cache.attend, cache.advance
+    cache.begin_decode(rows)     # the reference: one step's index tensors from the host's lists
     cache.begin_verify(rows, T)  # speculative decoding: T new tokens a row, dense, causal
     cache.truncate(row, n)       # and a row cut back to n tokens after a rejection
 
 The engine (rollout.Engine) makes one per generate call and drives it; the model reaches it through
-`positions`, `attend` (each layer) and `advance`. Its K, V and metadata are views of a `KVPool`,
+`positions`, `attend` (each layer) and `advance`. Its K, V and metadata are views of a KVPool,
 storage that outlives the call: an engine's pool is allocated once and reused by every call.
 
 What it holds:
@@ -43,9 +45,14 @@ What it holds:
        fills and is rewritten, and the lanes' index tensors (`_laid`) are rebuilt at the next
        decode step. Lanes and the free list both work: a lane's pages are its row's in order.
 
+    6. Static decode steps (decode.py): `begin_round` opens the pages of a round's tokens and
+       fills the slots' state in one copy; `lay_step` computes each step's index tensors from it
+       on the device (slots of tokens to write, lengths, pages to read), which every layer shares.
+       Padding slots write to the scratch page, the pool's last, past num_pages.
+
 Simplifications:
-    1. Page bookkeeping lives on the host as Python lists; the device gets the step's small index
-       tensors (`begin_decode`), which every layer shares, in one host-to-device copy (`_upload`).
+    1. Page bookkeeping lives on the host as Python lists, once a round; the device gets the
+       round's state in one host-to-device copy (`_upload`).
     2. The sparse budget is per row, the same in every sparse layer and KV head; the first
        `dense_layers` layers read every page.
 """
@@ -58,7 +65,8 @@ import torch.nn.functional as F
 
 from zeros_kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots,
                                          merge_attention, prefix_index, shared_prefix_decode)
-from zeros_kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu
+from zeros_kernels.sparse_decode_cpu import UNSCORED, attend_runs_cpu, cpu_kernel, select_pages_cpu
+from kvpool import KVPool
 from moe import record_routes
 from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,
                       select_pages)
@@ -79,33 +87,6 @@ def rescores(step, every):
     return at == (0 if window == 0 else (x ^ (x >> 27)) % every)
 
 
-class KVPool:
-    """The KV cache's storage, kept across generate calls: flat buffers (K, V, the sparse page
-    metadata) that each call's PagedKVCache views from their start. So a run allocates its pool
-    once and reuses it (freeing and reallocating tens of GiB a call fragments the GPU's memory),
-    and the engines that share one (rollout, dense comparison, held-out evaluation) share the
-    memory. tokens: the capacity every call must fit, rounded up to pages (rollout.Engine splits
-    a call that does not; 0: none, and a buffer grows when a call needs more than it holds). A
-    buffer starts at zero and then holds the keys of earlier calls: finite either way, as the
-    kernels need (they read the unwritten tail of a partial page)."""
-
-    def __init__(self, tokens=0):
-        self.tokens, self.bufs = tokens, {}
-
-    def take(self, name, shape, numel, dtype, device):
-        """A view of `shape` at the start of buffer (name, dtype), which is made afresh (zeros)
-        where it holds fewer than max(numel, the view's) elements or lives on another device."""
-        n, key = math.prod(shape), (name, dtype)
-        buf = self.bufs.get(key)
-        if buf is None or buf.numel() < max(n, numel) or buf.device != torch.device(device):
-            self.bufs.pop(key, None)  # the old one goes first: its memory can serve the new one
-            buf = self.bufs[key] = torch.zeros(max(n, numel), dtype=dtype, device=device)
-        return buf[:n].view(shape)
-
-    def nbytes(self):
-        return sum(b.numel() * b.element_size() for b in self.bufs.values())
-
-
 class PagedKVCache:
     """K and V pools, a page table per sequence (logical -> physical page), reference counts, and
     lanes = (S prefix slots of P pages, R pages a row) or a free list (lanes=None). The engine lays
@@ -118,21 +99,25 @@ class PagedKVCache:
         self.G = cfg.num_attention_heads // self.H  # query heads per KV head
         self.page_size, self.num_pages, self.lanes = page_size, num_pages, lanes
         pool = pool if pool is not None else KVPool()  # none given: storage of its own
-        # a capped pool is allocated whole, at its first call
-        room = max(num_pages, -(-pool.tokens // page_size))
-        take = lambda name, *shape: pool.take(name, (L, *shape), L * math.prod(shape) // num_pages
-                                              * room, dtype, device)
-        # (L, H_kv, num_pages * page_size, D): head-major, so that a run of token slots of one
-        # KV head is contiguous memory; `paged` shows a layer in the kernel's layout
-        self.k = take("k", self.H, num_pages * page_size, self.D)
-        self.v = take("v", self.H, num_pages * page_size, self.D)
-        meta = (num_pages, self.H, self.D)  # page metadata, kept only where a selection reads it
+        # a capped pool is allocated whole, at its first call; one page more, the last: the
+        # scratch page that a static decode step's padding slots write to (decode.py)
+        self.scratch, n = num_pages, num_pages + 1
+        room = max(num_pages, -(-pool.tokens // page_size)) + 1
+        take = lambda name, *shape: pool.take(name, (L, *shape), L * math.prod(shape) // n * room,
+                                              dtype, device)
+        # (L, H_kv, (num_pages + 1) * page_size, D): head-major, so that a run of token slots of
+        # one KV head is contiguous memory; `paged` shows a layer in the kernel's layout
+        self.k = take("k", self.H, n * page_size, self.D)
+        self.v = take("v", self.H, n * page_size, self.D)
+        meta = (n, self.H, self.D)  # page metadata, kept only where a selection reads it
         self.kmean = take("kmean", *meta) if budget is not None else None
         quest = budget is not None and scorer == "quest"
         self.kmin = take("kmin", *meta) if quest else None
         self.kmax = take("kmax", *meta) if quest else None
-        # (N, max_pages) the device copy of every page table: logical page -> physical page id
-        self.table = torch.zeros(num_seqs, max_pages, dtype=torch.int32, device=device)
+        # (N + 1, max_pages) the device copy of every page table: logical page -> physical page
+        # id; row N, the padding slots' row, is all the scratch page
+        self.table = torch.zeros(num_seqs + 1, max_pages, dtype=torch.int32, device=device)
+        self.table[num_seqs] = self.scratch
         self.pages = [[] for _ in range(num_seqs)]  # the host's copy of each page table
         self.n_shared = [0] * num_seqs  # the shared prompt pages that open each page table
         self.lens = [0] * num_seqs  # tokens cached per sequence
@@ -144,17 +129,20 @@ class PagedKVCache:
         self.used = self.peak = 0  # pages held now, and at most
         self.budget, self.scorer, self.dense_layers = budget, scorer, dense_layers
         self.keep_first, self.keep_recent = keep_first, keep_recent
-        # page scores kept between rescorings (rescore_every > 1): (L, N, H_kv, max_pages) fp32
+        # page scores kept between rescorings (rescore_every > 1): (L, N + 1, H_kv, max_pages)
         self.rescore_every, self.scores, self._last = rescore_every, None, {}
         self.step = 1  # the decode step (the completion position it produces), set by the engine
         if budget is not None and rescore_every > 1 and scorer != "oracle":
-            self.scores = torch.full((L, num_seqs, self.H, max_pages), UNSCORED, device=device)
+            self.scores = torch.full((L, num_seqs + 1, self.H, max_pages), UNSCORED,
+                                     device=device)
         self.record = None  # a list to record (step, rows, layer, sel, n_sel) of every selection
         self.clock, self.routes = None, record_routes(None, 0)  # the engine's hooks (Engine.clock)
         # (L,) pages the sparse layers' selections read, summed over KV heads and steps (the
         # engine adds the dense layers' and divides by H_kv): the read fraction, counted
         self.read_layer = torch.zeros(L, dtype=torch.long, device=device)
         self._laid = None  # the rows the lanes' index tensors were built for
+        self._budget = None  # static steps: pages the budget reads at 0..max_pages pages
+        self.fills = True  # static steps: False where the host knows that no page fills
         # True: a verify attends through the gather + SDPA reference even on a CPU's lanes (tests)
         self.verify_ref = False
 
@@ -313,6 +301,7 @@ class PagedKVCache:
         self._filled = filled_t if filled else None
         if sparse:  # n_pages, n_full, n_read (B,) int32 each
             self._counts = list(counts.to(torch.int32).view(3, -1))
+        self._k_read, self._rescore = max(self.n_read), rescores(self.step, self.rescore_every)
         if self.scores is not None:  # kv_rescore_every: the rows' scores and the step's key
             self._rows_t = rows_t
             self._key = (tuple(rows), tuple(self.n_pages), tuple(n_full), tuple(self.n_read))
@@ -336,6 +325,75 @@ class PagedKVCache:
         self._steps += new  # the new token
         self._own = self._own_max + self._steps
         self._own_lens = None if self._own_base is None else self._own_base + self._steps
+
+    # ---- a round of static decode steps (decode.py): laid once on the host, stepped on the device
+
+    def begin_round(self, rows, s, state, fixed=False):
+        """A round of static decode steps (decode.py) for `rows` -> them in slot order: on a CPU
+        with lanes they move into lanes 0..n-1 (`_compact`) and take the slots in lane order
+        (slot j reads lane j in place); elsewhere as given. Then pages for each row's next
+        tokens, and the slots `s` (B >= n of them; the rest padding, which writes to the
+        scratch page) filled in one copy: rows, cached lengths, shared prompt tokens, page
+        tables, the budget per page count, and the engine's state(row) = (tokens ahead, last
+        token, completion position, limit). fixed: the lanes' views keep one width (the whole
+        lane: a compiled or captured step's shapes), else the round's longest."""
+        ps, B, n, P = self.page_size, s.rows.shape[0], len(rows), s.table.shape[1]
+        if self.lanes is not None and not self.table.is_cuda:
+            self._compact(rows)
+            rows = sorted(rows, key=self.lane.__getitem__)
+        ahead, tok, pos, limit = zip(*map(state, rows))
+        opened = [(r, len(self.pages[r]), self._alloc(r)) for r, a in zip(rows, ahead)
+                  for _ in range(max(0, -(-(self.lens[r] + a) // ps) - len(self.pages[r])))]
+        if self.budget is not None and self._budget is None:  # once a call: pages_to_read at
+            self._budget = [pages_to_read(self.budget, i, i - f, self.keep_first,  # n = i pages,
+                                          self.keep_recent) for i in range(P + 1)  # the last
+                            for f in (0, 1)]  # full (f = 0) or partial, at 2i + f
+            self._k_read = max(self._budget)  # the selections' width: the most a step reads
+        pad = [0] * (B - n)
+        ints, live, budget, new = self._upload(
+            [*rows, *[len(self.pages)] * (B - n), *tok, *pad]
+            + [self.lens[r] for r in rows] + pad + [*pos, *pad, *limit, *pad]
+            + [self.n_shared[r] * ps for r in rows] + pad, [1] * n + pad, self._budget or [],
+            [x for o in opened for x in o])
+        if opened:  # the device table follows the host's lists
+            r, j, p = new.view(-1, 3).unbind(1)
+            self.table[r, j] = p.to(torch.int32)
+        s.ints.copy_(ints.view(6, B))
+        s.live.copy_(live)
+        s.table.copy_(self.table[s.rows, :P])
+        s.n, s.host_rows, self._laid, self._s = n, list(rows), None, s
+        if self.budget is not None:
+            s.budget.copy_(budget)
+        if self.lanes is not None and not self.table.is_cuda:  # slot j reads lane j in place
+            slot = {r: i for i, (_, rs) in enumerate(self.prefixes) for r in rs}
+            self._pre = prefix_index([slot.get(r, -1) for r in rows] + [-1] * (B - n),
+                                     [m for m, _ in self.prefixes], self.table.device)
+            own = max(self.lens[r] - self.n_shared[r] * ps + a for r, a in zip(rows, ahead))
+            self._by_lane = None  # lengths: lay_step's
+            self._own = self.lanes[2] * ps if fixed else max(own, 1)
+        return rows
+
+    def lay_step(self, s):
+        """One static decode step's index tensors, from the slots' state on the device: no host
+        list and no copy, so that the step compiles and captures (decode.py). The new token goes
+        to the slot's page for position lens; a page that fills gets its metadata (the others'
+        writes go to the scratch page); sparse: the pages to read from the budget table."""
+        ps, cpu, lens = self.page_size, not s.lens.is_cuda, s.lens
+        at, lens1 = lens // ps, lens + 1  # the new token's logical page; the tokens with it
+        page = s.table.gather(1, at[:, None])[:, 0].long()  # (B,) its physical page
+        self._mode, self._s, self._rows, self._rows_t = "step", s, s.host_rows, s.rows
+        self._pos, self._dst = lens[:, None], page * ps + lens % ps  # (B, 1), (B,)
+        self._seq_lens, self._table, self._key = lens1, s.table, None  # (B,) the new one in
+        self._rescore = rescores(self.step, self.rescore_every)
+        self._filled = None  # a page that fills gets its metadata; the others, the scratch page
+        if self.kmean is not None and self.fills:  # (fills: the host's word that one may fill)
+            self._filled = torch.where(lens1 % ps == 0, page, self.scratch)
+        self._slots = dense_slots(s.table, lens1, ps) if cpu and not self.lanes else None
+        if self.lanes is not None and cpu:
+            self._own_lens = lens1 - s.shared  # (B,) each lane's own tokens, the new one in
+        if self.budget is not None:  # n_pages, n_full, and the table's pages to read
+            n_full = lens1 // ps
+            self._counts = [at + 1, n_full, s.budget[3 * at + 3 - n_full]]
 
     # ---- speculative decoding: the verify forward, and cutting a row back
 
@@ -428,13 +486,11 @@ class PagedKVCache:
         vp.index_copy_(1, self._dst, v[:, :, 0].transpose(0, 1).to(vp.dtype))
         self._write_meta(layer, self._filled)  # before selecting: a page that fills is scored now
         sel = n_sel = None  # dense: every page
-        t0 = time.perf_counter()
+        t0 = self._tick(None, 0.0)
         if self.budget is not None and layer >= self.dense_layers:
             sel, n_sel = self._select(layer, q[:, :, 0])
             t0 = self._tick("select", t0)
-            if self.record is not None:
-                self.record.append((self.step, self._rows, layer, sel, n_sel))
-            self.read_layer[layer] += n_sel.sum()  # what the selection really reads, all heads
+            self._count(layer, sel, n_sel)
         if sel is None and self.lanes is not None and not q.is_cuda:  # (B, Hkv, G, D) queries
             # in the pool's dtype, as the Triton kernel casts them (kv_dtype may not be q's)
             qg = q[:, :, 0].view(q.shape[0], self.H, -1, self.D).to(kp.dtype)
@@ -446,10 +502,29 @@ class PagedKVCache:
         self._tick("attn", t0)
         return y[:, :, None]  # (B, Hq, 1, D)
 
+    def _count(self, layer, sel, n_sel):
+        """A sparse layer's selection: what it really reads, summed over KV heads, into
+        read_layer (a static step: into the slots' own counts, the live slots' only), and the
+        record (record_pages). A static step's record holds each slot's completion position (a
+        tensor; past the end for a padding or finished slot) and its row, for Engine._pack_pages."""
+        if self._mode != "step":
+            self.read_layer[layer] += n_sel.sum()
+            if self.record is not None:
+                self.record.append((self.step, self._rows, layer, sel, n_sel))
+            return
+        s = self._s
+        s.read[layer] += (n_sel.sum(1) * s.live).sum()
+        if self.record is not None:
+            self.record.append((torch.where(s.live, s.pos, 2**30), s.rows.clone(), layer, sel,
+                                n_sel))
+
     def _tick(self, name, t0):
-        """Engine.clock, the bench's timer: adds the seconds since t0 to clock[name]; -> now."""
+        """Engine.clock, the bench's timer: adds the seconds since t0 to clock[name] (name None:
+        none); -> now. Without a clock it reads no time: a compiled step would guard on it."""
+        if self.clock is None:
+            return 0.0
         now = time.perf_counter()
-        if self.clock is not None:
+        if name is not None:
             self.clock[name] += now - t0
         return now
 
@@ -459,7 +534,7 @@ class PagedKVCache:
         or, the reference, one gather of each row's cache through its page table and SDPA with the
         causal mask of `begin_verify`."""
         B, H, T, D = k.shape
-        t0 = time.perf_counter()
+        t0 = self._tick(None, 0.0)
         kp.index_copy_(1, self._dst, k.transpose(0, 1).reshape(H, B * T, D).to(kp.dtype))
         vp.index_copy_(1, self._dst, v.transpose(0, 1).reshape(H, B * T, D).to(vp.dtype))
         self._write_meta(layer, self._filled)
@@ -476,37 +551,55 @@ class PagedKVCache:
         self._tick("attn", t0)
         return y  # (B, Hq, T, D)
 
-    def _attend_lanes(self, kp, vp, qg, lse=False):  # kp, vp (Hkv, slots, D); qg (B, Hkv, M, D)
+    def _attend_lanes(self, kp, vp, qg, lse=False, tail=0):  # kp, vp (Hkv, N, D); qg (B, Hkv, M, D)
         """CPU dense attention on the lanes, for M queries a KV head (a decode step's G query
         heads, a verify's G * T): the live rows' own tokens are one strided view of the pool, read
         in place; a shared prompt is read once per group, merged by log-sum-exp. -> (B, Hkv, M,
-        D), and with lse=True each query's log-sum-exp (B, Hkv, M) too."""
+        D), and with lse=True each query's log-sum-exp (B, Hkv, M) too. tail = T: a verify's T new
+        tokens, in each lane right after the row's own, in the same pass, causal (the C++ kernel's
+        blocks of keys, out only; None where it has none)."""
         (S, P, R), ps, H, D, B = self.lanes, self.page_size, self.H, self.D, qg.shape[0]
         # (n, Hkv, T, D) views, no copy: n runs of `size` token slots from slot `first`, cut to T
         runs = lambda t, first, n, size, T: (t[:, first:first + n * size].view(H, n, size, D)
                                              [:, :, :T].transpose(0, 1))
         if self._by_lane is not None:  # rows moved by _compact: q in lane order, and back below
             qg = qg.index_select(0, self._by_lane)
-        own = [runs(t, S * P * ps, B, R * ps, self._own) for t in (kp, vp)]
-        if self._pre is None:
+        own = [runs(t, S * P * ps, B, R * ps, self._own + tail) for t in (kp, vp)]
+        pre = self._pre and [runs(t, 0, S, P * ps, self._pre[0]) for t in (kp, vp)]
+        if tail:  # the lanes and their new tokens in one pass; the shared prompt apart, merged
+            lens = None if self._own_lens is None else self._own_lens + tail
+            y, ly = attend_runs_cpu(qg, *own, lens, tail=tail) or (None, None)
+            if y is not None and pre:  # every query sees all of the prompt; its rows' queries
+                _, n_pre, q_idx, slot, member, lone = self._pre  # as in shared_prefix_decode
+                qp = qg.transpose(0, 1).index_select(1, q_idx).view(H, S, -1, D).transpose(0, 1)
+                yp, lp = (t.unflatten(2, (q_idx.numel() // S, -1))[slot, :, member]
+                          for t in attend_rows(qp, *pre, n_pre, lse=True))
+                lp = lp if lone is None else lp.masked_fill(lone, -math.inf)  # rows without one
+                y = merge_attention(y, ly, yp, lp)
+            y = y if y is None else y.to(qg.dtype)
+        elif pre is None:
             y = attend_rows(qg, *own, self._own_lens, lse=lse)
         else:
-            pre = [runs(t, 0, S, P * ps, self._pre[0]) for t in (kp, vp)]
             y = shared_prefix_decode(qg, *own, self._own_lens, *pre, self._pre, lse=lse)
-        if self._by_lane is None:
+        if self._by_lane is None or y is None:
             return y
         back = lambda t: t.index_select(0, self._lane)  # (B, ...) lane order -> the rows' order
         return tuple(map(back, y)) if lse else back(y)
 
     def _verify_lanes(self, kp, vp, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
-        """The verify's attention on a CPU's lanes, in two parts merged by log-sum-exp. (a) The
-        row's cache before the T new tokens: each of the T queries sees the same keys there, so
-        they join their KV head's group as G * T queries of one decode step, read in place by
-        `_attend_lanes` (the shared prompt once a group). (b) The T new tokens among themselves,
-        causal: a (G * T) x T attention over the k and v that the forward just made."""
+        """The verify's attention on a CPU's lanes. The T new tokens lie in each row's lane right
+        after its cached ones (`_attend_verify` wrote them), so `_attend_lanes(tail=T)` reads the
+        lane once for the G * T queries of a KV head, a block of keys at a time (the C++ kernel,
+        causal on the new tokens). Without it (or BLOCKS off in sparse_decode_cpu), two parts
+        merged by log-sum-exp: (a) the cache before the T, where every one of the T queries sees
+        the same keys, as G * T queries of one decode step; (b) the T new tokens among
+        themselves, causal: a (G * T) x T attention over the k and v the forward just made."""
         B, Hq, T, D = q.shape
         qg = q.reshape(B, self.H, -1, D)  # (B, Hkv, G * T, D): head h * G + g, token i -> g * T + i
-        y, lse = self._attend_lanes(kp, vp, qg.to(kp.dtype), lse=True)  # the pool's dtype
+        y = self._attend_lanes(kp, vp, qg.to(kp.dtype), tail=T)  # the pool's dtype
+        if y is not None:
+            return y.view(B, Hq, T, D).to(q.dtype)
+        y, lse = self._attend_lanes(kp, vp, qg.to(kp.dtype), lse=True)
         s = (qg.float() @ k.float().transpose(-1, -2)) * D ** -0.5  # (B, Hkv, G * T, T)
         s = s.masked_fill(~self._causal, -math.inf)
         lse_new = s.logsumexp(-1)  # finite: every query sees itself
@@ -515,10 +608,11 @@ class PagedKVCache:
 
     def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
         meta = [m[layer] for m in (self.kmin, self.kmax) if m is not None] or [self.kmean[layer]]
-        args = (*self._counts, self.keep_first, self.keep_recent, max(self.n_read))
-        kept, rescore = None, rescores(self.step, self.rescore_every)
+        args = (*self._counts, self.keep_first, self.keep_recent, self._k_read)
+        kept, rescore = None, self._rescore
         last = self._last.get(layer)
-        if self.scores is not None and not rescore and last is not None and last[0] == self._key:
+        if (self.scores is not None and not rescore and last is not None and self._key is not None
+                and last[0] == self._key):
             return last[1]  # the same scores, pages and budgets as the step before: its pick
         if self.scores is not None:  # the live rows' scores, as the last rescoring left them
             kept = self.scores[layer].index_select(0, self._rows_t)[:, :, :self._table.shape[1]]
@@ -543,7 +637,7 @@ class PagedKVCache:
             self._last[layer] = (self._key, sel)
         return sel
 
-    def advance(self, T):
+    def advance(self, T):  # a static step's lengths move on the device (decode.py)
         self.routes.add(self._mode, self._groups if self._mode == "prefill" else self._rows)  # MoE
         if self._mode in ("decode", "verify"):
             for r in self._rows:

@@ -59,6 +59,7 @@ def step_lines(rec):
     collect = (g("groups_kept", "kept {}") + g("groups", "/{}") + g("tries", " in {} tries")
                + (" SHORT" if rec.get("short") else ""),
                g("gen_s", "rollout {:.2f}s") + g("len_mean", " len {:.0f}")
+               + g("entropy", " ent {:.2f}")
                + g("kv_read", " kv {:.2f}"),
                g("reward", "reward {:.3f}") + g("reach_verify", " verify {:.2f}"))
     tq = f"tv q{1 - rec.get('alpha_bins', {}).get('q', 0.05):.2f}"  # the rollout TV's tail
@@ -145,6 +146,9 @@ def summary_rows(history, seconds):
     first = sum(r["reward"] for r in recs[:tenth]) / tenth
     last = sum(r["reward"] for r in recs[-tenth:]) / tenth
     after = accs[-1] if accs else None
+    ent = [sum(r["entropy"] for r in part) / len(part) for part in (recs[:tenth], recs[-tenth:])
+           if all("entropy" in r for r in part)]
+    ent = ent if len(ent) == 2 else None
     return [("steps", f"{n}", n),
             ("held-out accuracy before RL", figure(history["acc0"]), history["acc0"]),
             ("held-out accuracy after RL", figure(after), after),
@@ -159,7 +163,9 @@ def summary_rows(history, seconds):
             ("train time / step", f"{mean('train_s'):.2f}s", mean("train_s")),
             ("non-finite steps skipped", f"{total('skipped_nonfinite')}",
              total("skipped_nonfinite")),
-            ("RL wall time", f"{seconds:.0f}s", seconds)]
+            ("RL wall time", f"{seconds:.0f}s", seconds)] + ([
+            ("entropy (-log p a sampled token), first / last 10%", f"{ent[0]:.3f} / {ent[1]:.3f}",
+             ent)] if ent else [])
 
 
 def summary(history, seconds, k=8):
@@ -190,26 +196,36 @@ def per_difficulty(history, last, k):
                                 key=lambda c: int(c[5:]))
     cols = [(side, name, {int(d): a for d, a in h.get(name, {}).items()})
             for side, h in (("start", start), ("after RL", end)) for name in names]
+    n = {side: {int(d): c for d, c in cs.items()}
+         for side, cs in (history.get("counts") or {}).items()}  # problems behind each figure
+    nk = ([("n", n.get("greedy", {}))] + ([("n@k", n.get("sampled", {}))] if len(names) > 1
+                                          else [])) if n else []
     w = 9
-    rows = ["", "held-out accuracy by difficulty (start: the warm start; after RL: the end)",
-            "difficulty " + "".join(f"{side[:w - 1]:>{w}}" for side, _, _ in cols),
-            " " * 11 + "".join(f"{name:>{w}}" for _, name, _ in cols)]
+    rows = ["", "held-out accuracy by difficulty (start: the warm start; after RL: the end): right "
+                "answers only;", "n: the problems of each difficulty, n@k: those pass@k samples",
+            "difficulty " + " " * 6 * len(nk) + "".join(f"{side[:w - 1]:>{w}}"
+                                                      for side, _, _ in cols),
+            " " * 11 + "".join(f"{name:>6}" for name, _ in nk)
+            + "".join(f"{name:>{w}}" for _, name, _ in cols)]
     for d in sorted(start["greedy"], key=int):  # "-": no figure for that difficulty
-        rows.append(f"{d:>10} " + "".join(f"{cell(c.get(int(d))):>{w}}"
-                                          for _, _, c in cols))
+        rows.append(f"{d:>10} " + "".join(f"{c.get(int(d), '-'):>6}" for _, c in nk)
+                    + "".join(f"{cell(c.get(int(d))):>{w}}" for _, _, c in cols))
     return rows
 
 
 def difficulty_table(history, counts):
     """Held-out accuracy per difficulty before and after RL, as out_dir/summary.json holds it:
     {"before RL": {"greedy": {d: {"value": x, "n": problems}}, "pass@1": {...}, ...}, "after RL":
-    {...}}, n the held-out problems of that difficulty (counts: {difficulty: problems}) beside
-    each figure. After RL, before the end's pass@k: the last evaluation's greedy column."""
+    {...}}, n the held-out problems behind that figure (counts: {difficulty: problems}; pass@k's,
+    where it samples a subset: history["counts"]["sampled"]). After RL, before the end's pass@k:
+    the last evaluation's greedy column."""
     last = next((r for r in reversed(history["records"]) if "acc_by_difficulty" in r), {})
     sides = {"before RL": history.get("start") or {},
              "after RL": history.get("end") or ({"greedy": last["acc_by_difficulty"]}
                                                  if last else {})}
-    return {side: {name: {str(d): {"value": plain(v), "n": counts.get(int(d))}
+    sampled = {int(d): c for d, c in (history.get("counts") or {}).get("sampled", counts).items()}
+    n = lambda name, d: (sampled if name.startswith("pass@") else counts).get(int(d))  # noqa: E731
+    return {side: {name: {str(d): {"value": plain(v), "n": n(name, d)}
                           for d, v in sorted(col.items(), key=lambda x: int(x[0]))}
                    for name, col in cols.items()}
             for side, cols in sides.items()}
@@ -239,6 +255,9 @@ def run_figures(history, problems, seconds=None, ledger=None):
            "held_out": {"problems": len(problems), "by_difficulty": dict(sorted(counts.items()))},
            "accuracy_before_rl": history.get("acc0"),
            "by_difficulty": difficulty_table(history, counts)}
+    if (history.get("counts") or {}).get("sampled"):  # pass@k's problems, where a subset
+        out["held_out"]["sampled_by_difficulty"] = dict(sorted(
+            history["counts"]["sampled"].items()))
     if seconds is not None and history["records"]:
         rows = summary_rows(history, seconds)
         out.update(accuracy_after_rl=rows[2][2], summary={name: v for name, _, v in rows},
@@ -532,15 +551,17 @@ STAGES = {
     "model": "model chat_template chat_thinking n_layer n_embd n_head n_kv_head ffn n_expert "
              "n_expert_active moe_ffn",
     "task (the data and the held-out set)": "task rg_kwargs sft_rg_kwargs eval_rg_kwargs "
-        "rg_prompt data difficulty order n_train n_eval eval_difficulty eval_sampled eval_k",
-    "warm start (the tiny model's SFT)": "sft_steps sft_batch sft_lr sft_noise sft_slip "
+        "rg_prompt data difficulty order n_train n_eval eval_difficulty eval_sampled eval_k "
+        "eval_per_bin eval_k_per_bin",
+    "warm start (the tiny model's SFT)": "sft_steps sft_batch sft_lr sft_loss sft_noise sft_slip "
         "sft_max_lines sft_difficulty sft_init sft_seed",
     "1 signal (which prompts)": "prompts_per_step sampler zone explore dynamic_sampling "
         "refill_tries min_spread",
     "2 rollout (sparse KV, speculative decoding, DistillSparse)": "group_size max_new_tokens "
         "temperature top_p stop page_size kv_dtype kv_pool_tokens kv_budget kv_bin_pages kv_scorer kv_rescore_every "
         "dense_layers kv_keep_first kv_keep_recent kv_controller kv_hold kv_target kv_tv_target "
-        "kv_quantile rollout_mode spec_k spec_k_max alpha_topk kv_candidates calib_prompts "
+        "kv_quantile rollout_mode spec_k spec_k_max spec_draft decode_step alpha_topk "
+        "kv_candidates calib_prompts "
         "kv_compare_every distill_r distill_lr distill_coef distill_pg",
     "3 rewards (the verifier cascade)": "math_verify max_chars judge judge_timeout_s "
         "overlong_buffer overlong_penalty overlong_filter",

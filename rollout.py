@@ -24,6 +24,13 @@ prompt prefilled once per group and, optionally, block-sparse decode attention.
     engine.calls(prompt_ids, group_size=8)  # [(start, end)]: the prompts of each call that fits
     pool_pages(cfg, longest_prompt)          # config key kv_pool_tokens in pages (0: one batch)
 
+    # the decode step (decode.py): rounds of 8 static steps, the host looking once a round
+    engine = Engine(model, tokenizer, sync_every=8, step="auto")  # eager | compile | graph
+    call = engine.start(prompt_ids, 8, seed=0)   # prefill, first tokens: a decode.Call
+    while call.live:
+        engine.decode(call, 8)                     # 8 decode steps of the live rows
+    ro = engine.finish(call)
+
     python -m bench rollout [--quick]  # speed against transformers, sharing, sparsity
 
 What one call does:
@@ -36,21 +43,25 @@ What one call does:
        prompt's full pages are stored once, each row's own pages fill a lane of a head-major pool,
        and each decode step reads the lanes in place (dense, CPU) or the pages a selection picks
        (`decode_attention`: Triton on a GPU, a C++ kernel on a CPU).
-    3. Decode: one query token per live row, through the model, which calls the cache's
-       positions, attend and advance.
+    3. Decode: rounds of decode steps (`decode`, the public step API: decode.decode_step, the
+       one step, with static shapes: the live rows in a padded bucket, their state on the
+       device, EOS and length checked there), one query token per row through the model, which
+       calls the cache's positions, attend and advance; the host looks once a round.
     4. Dense decode reads every page. Sparse decode (`sparse=` a budget function from sparsity.py)
        reads, in each layer past the first `dense_layers`, the pages that `sparsity.select_pages`
        picks from the page metadata (mean key, and min/max keys for Quest). The first
        `keep_first` pages and the last `keep_recent` (and the partial last page) are always read;
        `rescore_every=k` scores the pages once in k steps (kvcache.py).
-    5. Sampling (`sample`, in speculative.py): temperature, top-p, a seeded generator; the
+    5. Sampling (`sample`, in speculative.py): temperature, top-p, draws keyed by the seed,
+       the row and its position (speculative.Noise: a row's tokens never depend on its batch); the
        log-prob of the sampled token is taken under softmax(logits / temperature), which the
        trainer recomputes, so the two compare token by token. With `topk_logprobs=k` the engine
        also keeps the k largest log-probs of that distribution (values and token ids) at every
        sampled position, what `sparsity.alpha_topk` needs to bound the acceptance rate (k =
        vocab_size: the whole distribution, exact alpha).
-    6. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch at once and
-       its pages go back (a shared prompt page when its last row finishes). The model runs the
+    6. A row stops at EOS, at a stop string, or at max_new_tokens; it leaves the batch when the
+       host next looks (the end of its round) and its pages go back (a shared prompt page when
+       its last row finishes). The model runs the
        call inside `Transformer.packed()`: on a CPU, its weight matmuls on packed copies.
     7. The KV storage is the engine's pool (kvcache.KVPool), kept across calls and shared by the
        engines given the same one: allocated at the first call (whole, where it has a cap) and
@@ -71,17 +82,22 @@ lossless sparse rollout, k draft tokens per verify; below); draft=None (speculat
 model that drafts, of the same shapes as `model`, e.g. DistillSparse's adapter copy; default
 `model`; record_pages then records the draft's selections); adapt_k=0 (speculative only: K > 0
 chooses each call's k in 1..K from the last call's acceptance and costs, speculative.best_k);
-kv_dtype="auto" | "float32" | "bfloat16" (the KV pool's dtype; auto: bf16 on CUDA, the model's
-weight dtype elsewhere: `kv_dtype_for`); pool_tokens=0 (the KV pool's cap in tokens, rounded up to
-pages; 0: none, each call takes what it needs); pool=None (a kvcache.KVPool to share with other
-engines, its own cap holding; None: one of the engine's own).
+spec_draft="sparse" | "suffix" | "mix" (speculative only: the drafts, from the sparse policy, from
+the group's own text, drafts.py, or each row's better one per round); kv_dtype="auto" | "float32"
+| "bfloat16" (the KV pool's dtype; auto: bf16 on CUDA, the model's weight dtype elsewhere:
+`kv_dtype_for`); pool_tokens=0 (the KV pool's cap in tokens, rounded up to pages; 0: none, each
+call takes what it needs); pool=None (a kvcache.KVPool to share with other engines, its own cap
+holding; None: one of the engine's own); sync_every=8 (decode steps a round: the host looks at
+the rows once a round); step="auto" | "eager" | "compile" | "graph" (how the step's forward
+runs, decode.Runner; auto: a CUDA graph per bucket where safe, else eager).
 Timings: prefill_s, decode_s, new_tokens; prefill_calls, prefill_tokens and prefill_tokens_naive
 (what prefilling every row would cost); pages_read and pages_dense (KV pages read by decode
 attention, summed over steps, rows and layers, and what dense decode reads); pages_read_layer
 (per layer: what its selections read, counted in the cache, summed over steps and rows, averaged
 over KV heads; a dense layer reads pages_dense / layers); pages_total,
 pages_peak, pages_free_end (the pages the call laid out, held at most, free at its end);
-generate_calls (1, or the calls a split ran).
+generate_calls (1, or the calls a split ran); compile_s (compiling or capturing the decode
+step, not in decode_s); decode_steps (decode.decode_step calls).
 
 Simplifications:
     1. No continuous batching: a call starts all its rows together and ends when the last one
@@ -110,13 +126,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvcache import KVPool, PagedKVCache
+from decode import STEPS, Call, Runner, graph_refusals, look, run_round, take
+from drafts import DraftStats, RolloutHistory
+from kvcache import PagedKVCache
+from kvpool import KVPool
 from moe import Routes, record_routes
-from speculative import generate_speculative, sample, topk_logprobs
+from speculative import Noise, generate_speculative, sample, topk_logprobs
 
 PREFILL_TOKENS = 16384  # padded tokens per prefill forward: bounds the activations of a long batch
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # kv_dtype's, besides auto
 SPLIT_SEED = 0x5917  # part i > 0 of a split call samples with seed + i * this
+SPEC_DRAFTS = ("sparse", "suffix", "mix")  # Engine(spec_draft=...), config key spec_draft
 
 
 def kv_dtype_for(kv_dtype, weight):
@@ -194,15 +214,13 @@ class Engine:
                  eos_ids=None, page_size=16, sparse=False, scorer="centroid", keep_recent=2,
                  dense_layers=2, keep_first=1, share_prefix=True, num_pages=None, topk_logprobs=0,
                  record_pages=False, rescore_every=1, speculative=0, draft=None, adapt_k=0,
-                 kv_dtype="auto", pool_tokens=0, pool=None):
+                 kv_dtype="auto", pool_tokens=0, pool=None, sync_every=8, step="auto",
+                 spec_draft="sparse"):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop = [s for s in stop if s]
-        # by default any of the tokenizer's EOS and the model's own end ids ends a row (Qwen3:
-        # <|im_end|> and <|endoftext|>, which warmstart.build_policy reads from its generation
-        # config into model.config.eos_token_id)
-        own = getattr(model.config, "eos_token_id", None)
-        eos = eos_ids if eos_ids is not None else [e for e in dict.fromkeys(
+        own = getattr(model.config, "eos_token_id", None)  # Qwen3 has two (warmstart.py)
+        eos = eos_ids if eos_ids is not None else [e for e in dict.fromkeys(  # any ends a row
             [tokenizer.eos_token_id, *(own if isinstance(own, list) else [own])]) if e is not None]
         # host: only read as a list (the stop checks run on the host)
         self.eos = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long,
@@ -224,6 +242,36 @@ class Engine:
         if not (isinstance(rescore_every, int) and rescore_every >= 1):
             raise ValueError(f"rescore_every must be an int >= 1, got {rescore_every!r}")
         self.rescore_every = rescore_every
+        self._speculative_options(model, speculative, draft, adapt_k, spec_draft)
+        self.page_size, self.budget, self.scorer = page_size, (sparse or None), scorer
+        self.keep_recent, self.dense_layers, self.keep_first = keep_recent, dense_layers, keep_first
+        self.share_prefix, self.num_pages, V = share_prefix, num_pages, model.config.vocab_size
+        if not (isinstance(topk_logprobs, int) and 0 <= topk_logprobs <= V):
+            raise ValueError(f"topk_logprobs must be an int in [0, vocab_size={V}], got "
+                             f"{topk_logprobs!r}")
+        self.topk, self.record_pages = topk_logprobs, record_pages and self.budget is not None
+        if kv_dtype not in ("auto", *KV_DTYPES):
+            raise ValueError(f"kv_dtype must be 'auto', 'float32' or 'bfloat16', got "
+                             f"{kv_dtype!r}")
+        ok = isinstance(pool_tokens, int) and pool_tokens >= 0
+        if not ok or (pool_tokens and pool is not None):
+            raise ValueError(f"pool_tokens must be an int >= 0 (the KV pool's tokens; 0: no cap), "
+                             f"and 0 with a shared pool (its own cap holds), got {pool_tokens!r}")
+        # the KV storage, kept across calls; engines given one pool share it (kvcache.KVPool)
+        self.kv_dtype, self.pool = kv_dtype, pool if pool is not None else KVPool(pool_tokens)
+        self.clock = None  # {"attn": s, "select": s}: decode adds its seconds in each (the bench)
+        if not (isinstance(sync_every, int) and sync_every >= 1) or step not in STEPS:
+            raise ValueError(f"sync_every must be an int >= 1 and step one of {STEPS}, got "
+                             f"{sync_every!r}, {step!r}")
+        # decode.py: rounds of sync_every steps; MoE's router syncs and its routes are recorded
+        # by the host, so its rounds are single steps with no padding slots
+        self.sync_every, self.step_mode, self.slots = sync_every, step, {}
+        self.one_step = bool(getattr(model.config, "num_experts", 0))
+        self.run = Runner("eager")
+
+    def _speculative_options(self, model, speculative, draft, adapt_k, spec_draft):
+        """Engine's speculative keywords, checked, and the state speculative.py keeps across
+        calls."""
         if not (isinstance(speculative, int) and speculative >= 0):
             raise ValueError(f"speculative must be an int >= 0 (draft tokens per verify; 0: "
                              f"off), got {speculative!r}")
@@ -243,25 +291,16 @@ class Engine:
                              f"got {adapt_k!r}")
         self.speculative, self.draft = speculative, (draft if draft is not None else model)
         self.adapt_k = adapt_k
-        self.page_size, self.budget, self.scorer = page_size, (sparse or None), scorer
-        self.keep_recent, self.dense_layers, self.keep_first = keep_recent, dense_layers, keep_first
-        self.share_prefix, self.num_pages, V = share_prefix, num_pages, model.config.vocab_size
-        if not (isinstance(topk_logprobs, int) and 0 <= topk_logprobs <= V):
-            raise ValueError(f"topk_logprobs must be an int in [0, vocab_size={V}], got "
-                             f"{topk_logprobs!r}")
-        self.topk, self.record_pages = topk_logprobs, record_pages and self.budget is not None
-        if kv_dtype not in ("auto", *KV_DTYPES):
-            raise ValueError(f"kv_dtype must be 'auto', 'float32' or 'bfloat16', got "
-                             f"{kv_dtype!r}")
-        ok = isinstance(pool_tokens, int) and pool_tokens >= 0
-        if not ok or (pool_tokens and pool is not None):
-            raise ValueError(f"pool_tokens must be an int >= 0 (the KV pool's tokens; 0: no cap), "
-                             f"and 0 with a shared pool (its own cap holds), got {pool_tokens!r}")
-        # the KV storage, kept across calls; engines given one pool share it (kvcache.KVPool)
-        self.kv_dtype, self.pool = kv_dtype, pool if pool is not None else KVPool(pool_tokens)
-        self.clock = None  # {"attn": s, "select": s}: decode adds its seconds in each (the bench)
+        if spec_draft not in SPEC_DRAFTS:
+            raise ValueError(f"spec_draft must be one of {SPEC_DRAFTS}, got {spec_draft!r}")
+        # speculative.py: the drafters' running figures (drafts.choose), the verify's seconds,
+        # and each prompt's earlier rollouts (the suffix drafter's), kept across calls
+        self.spec_draft, self.history = spec_draft, RolloutHistory()
+        self.draft_stats = {name: DraftStats(name) for name in ("suffix", "sparse")}
+        self.verify_time, self.warm = [0.0, 0], set()  # warm: what ran once (its time counts)
+        self.since_sparse = 0  # rounds since the sparse draft last ran (spec_draft=mix)
 
-    def _check_lengths(self, prompt_ids):
+    def check_lengths(self, prompt_ids):
         for i, p in enumerate(prompt_ids):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
@@ -276,7 +315,7 @@ class Engine:
         texts = self.tok.batch_decode([out[r][-tail:] for r in rows], skip_special_tokens=True)
         return [r for r, t in zip(rows, texts) if any(s in t for s in self.stop)]
 
-    def _groups(self, prompt_ids, G):
+    def groups(self, prompt_ids, G):
         """[(prompt, rows)] per distinct prompt: the rows (of the N = len(prompt_ids) * G) that
         share its pages. Without prefix sharing every row is its own group, prefilled on its own."""
         if not self.share_prefix:
@@ -295,7 +334,10 @@ class Engine:
                  lane_pages([(len(p), len(rows)) for p, rows in groups], ps, new))
         num_pages = self.num_pages or lanes[0] * lanes[1] + N * lanes[2]
         w, longest = self.model.lm_head.weight, max(len(p) for p, _ in groups)
-        cache = PagedKVCache(self.model.config, N, -(-(longest + new) // ps), num_pages, ps,
+        width = -(-(longest + new) // ps)  # page-table width; on CUDA a power of two (a
+        if w.is_cuda:  # captured decode step is kept per width: few widths, few graphs)
+            width = max(width, min(1 << (width - 1).bit_length(), -(-self.max_len // ps)))
+        cache = PagedKVCache(self.model.config, N, width, num_pages, ps,
                              kv_dtype_for(self.kv_dtype, w), w.device, self.budget, self.scorer,
                              self.keep_first, self.keep_recent, self.dense_layers, lanes,
                              self.rescore_every, pool=self.pool)
@@ -383,103 +425,130 @@ class Engine:
             a = b
         return spans
 
-    def _take_step(self, out, lps, finish, live, tok, lp, force):
-        """Row live[j] takes token tok[j] (log-prob lp[j]) -> the j of the rows that end at it: at
-        EOS, at a stop string, or at the end of its forced tokens."""
-        tok_l, lp_l = tok.tolist(), lp.tolist()  # CPU-GPU sync point, once per step
-        eos, done = set(self.eos.tolist()), set()
-        for j, r in enumerate(live):
-            out[r].append(tok_l[j])  # EOS is sampled and trained on; it is not part of the text
-            lps[r].append(lp_l[j])
-            if tok_l[j] in eos:
-                finish[r] = "eos"
-                done.add(j)
-            elif force is not None and len(out[r]) == len(force[r]):
-                done.add(j)
-        if self.stop:
-            cand = [r for j, r in enumerate(live) if j not in done]
-            hit = set(self._stopped(out, cand))
-            for j, r in enumerate(live):
-                if r in hit:
-                    finish[r] = "stop"
-                    done.add(j)
-        return done
+    # ---- one call: its start, rounds of decode steps, its Rollouts (the public step API)
 
-    def _generate(self, prompt_ids, group_size, seed, force=None):
-        self._check_lengths(prompt_ids)
-        model, dev = self.model, self.model.lm_head.weight.device
-        gen = torch.Generator(device=dev).manual_seed(seed)
-        N, ps, L = len(prompt_ids) * group_size, self.page_size, model.config.num_hidden_layers
-        groups = self._groups(prompt_ids, group_size)
+    def start(self, prompt_ids, group_size, seed, force=None):
+        """A call's start, what dense, sparse and speculative decoding share: the prompts
+        prefilled (each distinct one once), each row's first token sampled from the prefill's
+        logits (or forced) and taken. -> decode.Call, whose buffers the decode steps fill."""
+        self.check_lengths(prompt_ids)
+        dev, G, T = self.model.lm_head.weight.device, group_size, self.max_new_tokens
+        safe = not graph_refusals(self, self.model) + graph_refusals(self, self.draft)
+        self.run.mode = {"auto": "graph" if safe else "eager",
+                         "graph": "graph" if safe else "eager"}.get(self.step_mode, self.step_mode)
+        N, ps = len(prompt_ids) * G, self.page_size
+        groups = self.groups(prompt_ids, G)
         cache = self._new_cache(groups, N)
         cache.record = [] if self.record_pages else None
+        self.eos_dev = self.eos.to(dev)  # the finish checks run on the device
         t0 = time.perf_counter()
         logits, calls = self._prefill(cache, groups, N)
-        t1 = time.perf_counter()
-        out, lps = [[] for _ in range(N)], [[] for _ in range(N)]
-        budget = [[-(-len(prompt_ids[r // group_size]) // ps)] for r in range(N)]  # all pages
-        dense = [list(b) for b in budget]
-        finish = ["length"] * N
-        live = list(range(N))  # row id of each row still in the batch
-        sparse_layers = max(0, L - self.dense_layers) if self.budget is not None else 0
-        pages_read = pages_dense = 0
-        topk = []  # per step: (rows live at it, values (B, k), ids (B, k)), kept on the device
-        for step in range(self.max_new_tokens):
-            if self.topk:
-                topk.append((list(live), *topk_logprobs(logits, self.temperature, self.topk)))
-            tok, lp = sample(logits, self.temperature, self.top_p, gen)
-            if force is not None:  # teacher-forced: the given tokens, their log-probs here
-                tok = torch.tensor([force[r][step] for r in live], device=dev)
-                t = self.temperature if self.temperature > 0 else 1.0
-                lp = F.log_softmax(logits / t, -1).gather(-1, tok[:, None])[:, 0]
-            done = self._take_step(out, lps, finish, live, tok, lp, force)
-            if step == self.max_new_tokens - 1:  # the last token needs no forward
-                break
-            if done:  # finished rows leave the batch and give their pages back
-                for j in done:
-                    cache.release(live[j])
-                keep = [j for j in range(len(live)) if j not in done]
-                live, tok = ([live[j] for j in keep],
-                             tok[torch.tensor(keep, dtype=torch.long, device=dev)])
-                if not live:
-                    break
-            cache.begin_decode(live)
-            cache.step = step + 1  # the completion position this forward produces
-            for j, r in enumerate(live):
-                budget[r].append(cache.n_read[j])
-                dense[r].append(cache.n_pages[j])
-            pages_read += (sum(cache.n_read) * sparse_layers
-                           + sum(cache.n_pages) * (L - sparse_layers))
-            pages_dense += sum(cache.n_pages) * L
-            logits = model(tok[:, None], cache=cache)[:, -1]  # (B, V): one token per live row
-        for r in live:
-            cache.release(r)
-        t2 = time.perf_counter()
-        real = sum(len(p) * len(rows) for p, rows in groups)  # what a naive engine prefills
-        # per layer: what the selections really read (counted in the cache), dense layers all
-        per_layer = pages_dense / L
-        counted = (cache.read_layer.double() / cache.H).tolist()  # CPU-GPU sync point, once
-        read_layer = [per_layer if l < L - sparse_layers else counted[l] for l in range(L)]
-        timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prefill_calls": calls,
-                   "prefill_tokens": sum(len(p) for p, _ in groups), "prefill_tokens_naive": real,
-                   "pages_read": pages_read, "pages_dense": pages_dense,
-                   "pages_read_layer": read_layer,
-                   "pages_total": cache.num_pages, "pages_peak": cache.peak,
-                   "pages_free_end": cache.num_pages - cache.used}
-        ro = self._pack(prompt_ids, group_size, out, lps, finish, timings, budget, dense)
+        buf = lambda fill, dtype, *k: torch.full((N + 1, T, *k), fill, dtype=dtype, device=dev)
+        call = Call(prompt_ids, G, groups, cache, Noise(seed), [[] for _ in range(N)],
+                    [[] for _ in range(N)], ["length"] * N,
+                    [T] * N if force is None else [len(f) for f in force], list(range(N)),
+                    buf(self.pad_id, torch.long), buf(0.0, torch.float32, 3), prefill_calls=calls,
+                    times=[t0, time.perf_counter(), self.run.seconds])
         if self.topk:
-            ro.topk_logp, ro.topk_ids = self._pack_topk(topk, N, ro.tokens.shape[1])
-        if self.record_pages:
-            ro.read_pages = self._pack_pages(cache, N, ro.tokens.shape[1])
-        ro.experts = cache.routes.result(ro.tokens.shape[1])  # None unless MoE
-        return ro
+            call.topv, call.topi = buf(float("-inf"), torch.float32, self.topk), buf(
+                0, torch.long, self.topk)
+        rows = torch.arange(N, device=dev)
+        if force is not None:  # host lists, padded, to the device in one copy
+            call.force = buf(0, torch.long)
+            call.force[:N] = torch.tensor([list(f) + [0] * (T - len(f)) for f in force],
+                                          dtype=torch.long, device="cpu").to(dev)
+            tok = call.force[:N, 0]
+            t = self.temperature if self.temperature > 0 else 1.0
+            lp = F.log_softmax(logits / t, -1).gather(-1, tok[:, None])[:, 0]
+        else:
+            tok, lp = sample(logits, self.temperature, self.top_p,
+                             call.noise.at(rows, torch.zeros_like(rows)))
+        call.tokens[:N, 0], call.vals[:N, 0, 0] = tok, lp
+        pages = torch.tensor([-(-len(prompt_ids[r // G]) // ps) for r in range(N)],
+                             dtype=torch.float32, device="cpu")  # the prompt's: all read
+        call.vals[:N, 0, 1:] = pages.to(dev)[:, None]
+        if self.topk:
+            call.topv[:N, 0], call.topi[:N, 0] = topk_logprobs(logits, self.temperature,
+                                                               self.topk)
+        # CPU-GPU sync point: the first tokens, on the host
+        look(self, call, [[t] for t in tok.tolist()], [[x] for x in lp.tolist()])
+        return call
 
-    # ---- speculative decoding (speculative = k > 0)
+    def decode(self, call, steps, draft=False):
+        """`steps` decode steps of the call's live rows, each one decode.decode_step: the one
+        step that dense, sparse and speculative decoding run (decode.run_round: the round laid
+        out once, the host's one look at its end). draft=True: speculative.py's draft steps, on
+        the draft model -> (ids, q, draws)."""
+        return run_round(self, call, steps, draft)
+
+    def take(self, call, rows, toks, lps):
+        """Row rows[j] takes toks[j] (log-probs lps[j]) in order, as one token a step would: it
+        ends at EOS, at a stop string or at its limit (decode.take). -> (taken, done)."""
+        return take(self, call, rows, toks, lps)
+
+    def _generate(self, prompt_ids, group_size, seed, force=None):
+        """Dense or sparse decoding: the call's start, rounds of sync_every decode steps (one
+        where the host must see every step: MoE), its Rollouts."""
+        call = self.start(prompt_ids, group_size, seed, force)
+        while call.live:
+            left = max(call.limit[r] - len(call.out[r]) for r in call.live)
+            self.decode(call, min(1 if self.one_step else self.sync_every, left))
+        return self.finish(call)
+
+    def finish(self, call, timings=None, pages=None):
+        """The call's Rollouts: tokens, log-probs, pages per token (from the call's buffers, or
+        `pages` (N, T) on the host: every token the dense policy's, speculative.py), top-k,
+        records, routes, and the timings (`timings` adds to them; pages_read, pages_dense and
+        pages_read_layer are counted here from the pages per token unless it has them)."""
+        cache, N, G = call.cache, len(call.out), call.G
+        for r in call.live:
+            cache.release(r)
+        t0, t1, compile0 = call.times
+        compile_s = self.run.seconds - compile0
+        T, L = max(1, max(map(len, call.out))), self.model.config.num_hidden_layers
+        sparse_layers = max(0, L - self.dense_layers) if self.budget is not None else 0
+        n = torch.tensor([len(o) for o in call.out], device="cpu")
+        mask = torch.arange(T, device="cpu") < n[:, None]  # host: Rollouts live there
+        budget, dense = ((pages, pages) if pages is not None else
+                         call.vals[:N, :T, 1:].cpu().unbind(-1))
+        budget, dense = budget * mask, dense * mask
+        step = mask.clone()
+        step[:, 0] = False  # the first token is the prefill's
+        read = budget[step].sum() * sparse_layers + dense[step].sum() * (L - sparse_layers)
+        counted = (cache.read_layer.double() / cache.H).tolist()  # CPU-GPU sync point, once
+        per_layer = float(dense[step].sum())
+        timings = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1 - compile_s,
+                   "compile_s": compile_s, "prefill_calls": call.prefill_calls,
+                   "prefill_tokens": sum(len(p) for p, _ in call.groups),
+                   "prefill_tokens_naive": sum(len(p) * len(rs) for p, rs in call.groups),
+                   "pages_read": int(read), "pages_dense": int(dense[step].sum()) * L,
+                   "pages_read_layer": [per_layer if l < L - sparse_layers else counted[l]
+                                        for l in range(L)],
+                   "pages_total": cache.num_pages, "pages_peak": cache.peak,
+                   "pages_free_end": cache.num_pages - cache.used, **(timings or {})}
+        tokens = torch.full((N, T), self.pad_id, dtype=torch.long, device="cpu")
+        logp = torch.zeros(N, T, device="cpu")
+        for i, (o, l) in enumerate(zip(call.out, call.lps)):
+            tokens[i, :len(o)] = torch.tensor(o, dtype=torch.long, device="cpu")
+            logp[i, :len(l)] = torch.tensor(l, device="cpu")
+        timings["new_tokens"], timings["decode_steps"] = int(mask.sum()), call.steps
+        ro = Rollouts(torch.arange(len(call.prompt_ids), device="cpu").repeat_interleave(G),
+                      tokens, mask, logp, call.finish,
+                      self.tok.batch_decode(call.out, skip_special_tokens=True), G, timings,
+                      budget, dense)
+        if self.topk:  # positions past a row's end (a round's steps after its stop): padding
+            ro.topk_logp = call.topv[:N, :T].cpu().masked_fill(~mask[..., None], float("-inf"))
+            ro.topk_ids = call.topi[:N, :T].cpu().masked_fill(~mask[..., None], 0)
+        if self.record_pages:
+            ro.read_pages = self._pack_pages(cache, N, T) & mask[:, :, None, None, None]
+        ro.experts = cache.routes.result(T)  # None unless MoE (and speculative: not recorded)
+        return ro
 
     def _pack_pages(self, cache, N, T):
         """The recorded selections -> (N, T, sparse layers, H_kv, P) bool, what distill.ReplayCache
-        replays. A record's step is the completion position it made (an int, or one a row in
-        speculative mode, where a later draft at a position replaces an earlier one)."""
+        replays. A record's step is the completion position it made, and its rows the rows it
+        ran (a static step's: tensors, a slot past its row's end or a padding slot at T or
+        more, row N); a later record at a position (a draft's) replaces an earlier one."""
         L, dl, P = self.model.config.num_hidden_layers, self.dense_layers, cache.table.shape[1]
         # host: ro.read_pages lives there (P: padding), as every Rollouts field does
         out = torch.zeros(N, T, max(0, L - dl), cache.H, P + 1, dtype=torch.bool, device="cpu")
@@ -487,42 +556,15 @@ class Engine:
         for step, rows, layer, sel, n_sel in cache.record:
             valid = torch.arange(sel.shape[-1], device=sel.device) < n_sel[..., None]  # (B, Hkv, S)
             idx = torch.where(valid, sel.long(), P).cpu()
-            r = torch.tensor(rows, device="cpu")
+            r = rows.cpu() if torch.is_tensor(rows) else torch.tensor(rows, device="cpu")
             if torch.is_tensor(step):
                 step = step.cpu()
-                keep = step < T  # a draft past the row's end (dropped after its EOS)
+                keep = (step < T) & (r < N)
                 r, step, idx = r[keep], step[keep], idx[keep]
                 out[r, step, layer - dl] = False
                 step = step[:, None, None]
             out[r[:, None, None], step, layer - dl, heads, idx] = True
         return out[..., :P]
-
-    def _pack_topk(self, topk, N, T):
-        """Per-step top-k of the live rows -> (N, T, k) values and ids. Every live row samples one
-        token per step, so step s fills completion position s of the rows that were live at it."""
-        k, dev = self.topk, topk[0][1].device
-        vals = torch.full((N, T, k), float("-inf"), device=dev)  # padding: probability 0
-        ids = torch.zeros((N, T, k), dtype=torch.long, device=dev)
-        for s, (rows, v, i) in enumerate(topk):
-            r = torch.tensor(rows, device=dev)
-            vals[r, s], ids[r, s] = v, i
-        return vals.cpu(), ids.cpu()
-
-    def _pack(self, prompt_ids, G, out, lps, finish, timings, budget, dense):
-        N, T, cpu = len(out), max(1, max(len(o) for o in out)), "cpu"  # Rollouts: on the host
-        tokens = torch.full((N, T), self.pad_id, dtype=torch.long, device=cpu)
-        mask = torch.zeros(N, T, dtype=torch.bool, device=cpu)
-        logp, bud, bud_dense = (torch.zeros(N, T, device=cpu) for _ in range(3))
-        for i, (o, l) in enumerate(zip(out, lps)):
-            tokens[i, :len(o)] = torch.tensor(o, dtype=torch.long, device=cpu)
-            mask[i, :len(o)] = True
-            logp[i, :len(l)] = torch.tensor(l, device=cpu)
-            bud[i, :len(o)] = torch.tensor(budget[i][:len(o)], dtype=torch.float, device=cpu)
-            bud_dense[i, :len(o)] = torch.tensor(dense[i][:len(o)], dtype=torch.float, device=cpu)
-        texts = self.tok.batch_decode(out, skip_special_tokens=True)
-        pidx = torch.arange(len(prompt_ids), device=cpu).repeat_interleave(G)
-        timings["new_tokens"] = int(mask.sum())
-        return Rollouts(pidx, tokens, mask, logp, finish, texts, G, timings, bud, bud_dense)
 
 
 def concat_rollouts(parts, pad_id):
@@ -571,8 +613,11 @@ def _sum_timings(parts):
                 t[k] = min(t[k], v)
             else:
                 t[k] = [a + b for a, b in zip(t[k], v)] if isinstance(v, list) else t[k] + v
-    if "drafted" in t:  # speculative: the ratios of the whole
+    if "drafted" in t:  # speculative: the ratios of the whole, and of each drafter
         t["acceptance"] = t["accepted"] / t["drafted"] if t["drafted"] else 1.0
+        for d in ("suffix", "sparse"):
+            a, n, r = t[f"{d}_accepted"], t[f"{d}_drafted"], t[f"{d}_rejections"]
+            t[f"{d}_acceptance"], t[f"{d}_accept_geom"] = a / max(1, n), a / max(1, a + r)
         t["tokens_per_verify"] = (t["new_tokens"] - sum(map(len, parts))) / max(1, t["verifies"])
         t["accept_geom"] = t["accepted"] / max(1, t["accepted"] + t["rejections"])
     return t
@@ -582,17 +627,17 @@ def _sum_timings(parts):
 def generate_naive(model, tokenizer, prompt_ids, group_size=1, seed=0, max_new_tokens=16,
                    temperature=1.0, top_p=1.0, eos_ids=None):
     """The slow reference: no cache, no batching tricks; every step recomputes each row from
-    scratch. Returns (tokens per row, log-probs per row) as lists. Shares only `sample` with the
-    engine."""
-    dev = model.lm_head.weight.device
-    gen = torch.Generator(device=dev).manual_seed(seed)
+    scratch. Returns (tokens per row, log-probs per row) as lists. Shares only `sample` and its
+    keyed draws (speculative.Noise) with the engine."""
+    dev, noise = model.lm_head.weight.device, Noise(seed)
     eos = eos_ids if eos_ids is not None else [tokenizer.eos_token_id]
     rows = [list(p) for p in prompt_ids for _ in range(group_size)]
     out, lps, live = [[] for _ in rows], [[] for _ in rows], list(range(len(rows)))
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits = torch.stack([model(torch.tensor([rows[r] + out[r]], device=dev))[0, -1]
                               for r in live])
-        tok, lp = sample(logits, temperature, top_p, gen)
+        ids = torch.tensor(live, device=dev)  # the draws of these rows at this position
+        tok, lp = sample(logits, temperature, top_p, noise.at(ids, torch.full_like(ids, step)))
         for j, r in enumerate(live):
             out[r].append(tok[j].item())
             lps[r].append(lp[j].item())

@@ -82,8 +82,10 @@ class SparseRollout:
         kv = dict(temperature=cfg.temperature, top_p=cfg.top_p, page_size=cfg.page_size,
                   scorer=cfg.kv_scorer, dense_layers=cfg.dense_layers,
                   rescore_every=cfg.kv_rescore_every, keep_first=cfg.kv_keep_first,
-                  keep_recent=cfg.kv_keep_recent, kv_dtype=cfg.kv_dtype, pool=self.pool)
+                  keep_recent=cfg.kv_keep_recent, kv_dtype=cfg.kv_dtype, pool=self.pool,
+                  step=cfg.decode_step)
         self.engine = Engine(self.rollout_model, sparse=budget, speculative=self.spec, draft=draft,
+                             spec_draft=cfg.spec_draft,
                              adapt_k=cfg.spec_k_max if self.spec else 0,
                              record_pages=self.distill is not None, topk_logprobs=topk, **gen, **kv)
         self.dense_engine = (Engine(self.rollout_model, **gen, **kv)
@@ -130,6 +132,9 @@ class SparseRollout:
             rec.update(spec_k=tm["k"], spec_accept=tm["acceptance"],
                        spec_per_verify=tm["tokens_per_verify"],
                        spec_draft_s=tm["draft_s"], spec_verify_s=tm["verify_s"])
+            for d in ("suffix", "sparse"):  # per drafter (spec_draft): drafts sent, accepted
+                rec.update({f"spec_drafted_{d}": tm[f"{d}_drafted"],
+                            f"spec_accept_{d}": tm[f"{d}_acceptance"]})
         if t == 0 and self.dense_engine is not None and step % cfg.kv_compare_every == 0:
             rec.update(self.compare_dense(ro, batch, prompt_ids, seed, rewards, cascade))
         return rec

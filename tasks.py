@@ -65,7 +65,7 @@ from typing import (TYPE_CHECKING, Iterable, Iterator, NamedTuple, Optional, Seq
                     Union)
 
 from answers import extract_boxed, extract_hash_answer
-from config import RG_PREFIX
+from config import RG_BINS, RG_PREFIX
 from synthetic import (LAG_LINES, LAG_WIDTH, ORDERS, Problem, is_lagged,  # noqa: F401
                        lagged_trace, make_synthetic, synthetic_trace)  # (re-exported)
 
@@ -79,6 +79,8 @@ MATH_INSTRUCTION = "\nSolve the problem step by step, and put the final answer i
 CODE_INSTRUCTION = "\nWrite the complete Python code in a ```python code block."
 RG_INSTRUCTION = "\nEnd with \"#### \" and the final answer."
 RG_SPLIT = 1_000_000_000  # reasoning-gym seeds of the pool, the held-out set and the SFT data
+BIN_SEEDS = 10_000_000  # eval_per_bin: the held-out seeds of difficulty d start d * BIN_SEEDS in
+PER_BIN_DRAWS = 64  # eval_per_bin: at most this many draws per problem wanted, in each bin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,13 +387,13 @@ def make_reasoning_gym(name: str, n: int, seed: int, kwargs: Optional[dict] = No
         d = _rg_difficulty(item.get("metadata"))
         if d is not None:
             meta["difficulty"] = d
-        if prompt == "aligned":  # config.check_task: a chain_sum expression, `width` terms
+        if prompt == "aligned":  # checks.check_task: a chain_sum expression, `width` terms
             return Problem(aligned_prompt(item["metadata"]["expression"], width), a,
                            "reasoning_gym", meta), None
-        if prompt == "expression":  # config.check_task: the expression is the question
+        if prompt == "expression":  # checks.check_task: the expression is the question
             return Problem(item["metadata"]["expression"].replace(" ", "") + "=", a,
                            "reasoning_gym", meta), None
-        q = q.strip().split("\n\n")[-1] if prompt == "last_paragraph" else q  # config.check_task
+        q = q.strip().split("\n\n")[-1] if prompt == "last_paragraph" else q  # checks.check_task
         return Problem(q.strip() + RG_INSTRUCTION, a, "reasoning_gym", meta), None
 
     return _collect((data[i] for i in range(n)), parse, RG_PREFIX + name, None)
@@ -459,6 +461,8 @@ def load_problems(cfg) -> tuple[list[Problem], list[Problem]]:
         pool = make_reasoning_gym(name, cfg.n_train or 20_000, cfg.seed, cfg.rg_kwargs, chars,
                                   cfg.rg_prompt, rg_width(cfg))
         seen = {p.prompt for p in pool + ([] if cfg.model else sft_problems(cfg))}
+        if cfg.eval_per_bin:  # difficulty by difficulty
+            return pool, per_bin_problems(cfg, name, chars, seen)
         fresh = []  # twice as many drawn: small generators repeat questions
         for p in make_reasoning_gym(name, 2 * cfg.n_eval + 100, cfg.seed + RG_SPLIT,
                                     {**cfg.rg_kwargs, **cfg.eval_rg_kwargs}, chars, cfg.rg_prompt,
@@ -484,6 +488,30 @@ def load_problems(cfg) -> tuple[list[Problem], list[Problem]]:
         return rows[:-cfg.n_eval] if len(rows) > cfg.n_eval else rows, rows[-cfg.n_eval:]
     return (loader(split="train", limit=cfg.n_train or None, **src),
             loader(split="test", limit=cfg.n_eval, **src))
+
+
+def per_bin_problems(cfg, name: str, chars: Optional[str], seen: set) -> list[Problem]:
+    """config key eval_per_bin: the held-out set drawn difficulty by difficulty, each from the
+    generator pinned to it (checks.RG_BINS), eval_per_bin problems whose prompt `seen` (the pool,
+    the SFT data) lacks, none twice. Where fewer exist (chain_sum's sums of 2 and 3 terms: 200 and
+    4,000 in all, most of them in the pool or the SFT data) it keeps as many as rounds of doubling
+    draws find, up to PER_BIN_DRAWS times eval_per_bin draws."""
+    from reasoning_gym.factory import DATASETS  # lazy, as in make_reasoning_gym
+    kw = {**cfg.rg_kwargs, **cfg.eval_rg_kwargs}
+    lo, hi = RG_BINS[name]
+    want, out = cfg.eval_per_bin, []
+    for d in range(kw.get(lo, getattr(DATASETS[name][1](), lo)),
+                   kw.get(hi, getattr(DATASETS[name][1](), hi)) + 1):
+        got, drawn, n = [], 0, 2 * want + 50
+        while len(got) < want and drawn < PER_BIN_DRAWS * want:
+            for p in make_reasoning_gym(name, n, cfg.seed + RG_SPLIT + d * BIN_SEEDS + drawn,
+                                        {**kw, lo: d, hi: d}, chars, cfg.rg_prompt, rg_width(cfg)):
+                if p.prompt not in seen and len(got) < want:
+                    seen.add(p.prompt)
+                    got.append(p)
+            drawn, n = drawn + n, 2 * n
+        out += got
+    return out
 
 
 def encode_pool(tok, problems: Sequence[Problem], cfg, ctx: int,

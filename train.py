@@ -130,7 +130,7 @@ def build(cfg, rank, world, dev, role, log):
     model.eval()  # dropout only in the training forwards (update.train_on turns it on and off)
     gen = dict(tokenizer=tok, max_new_tokens=cfg.max_new_tokens, stop=[cfg.stop] if cfg.stop else [])
     greedy = Engine(full, temperature=0.0, kv_dtype=cfg.kv_dtype, pool=sparse.pool,  # one KV pool
-                    **gen)  # held-out accuracy is the policy's own
+                    step=cfg.decode_step, **gen)  # held-out accuracy is the policy's own
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     sampler = make_sampler(cfg, train_p)
@@ -199,7 +199,7 @@ def sft_tokens(cfg):
     sft_steps x sft_batch sequences of a prompt and a teacher trace, sized from 16 of the
     generator's items (config.TRACE_TOKENS; the prompt: the question or its last paragraph, the
     short expression prompts not counted)."""
-    from reasoning_gym.factory import DATASETS  # lazy, as in config.check_task
+    from reasoning_gym.factory import DATASETS  # lazy, as in checks.check_task
     name, size = cfg.task[len(RG_PREFIX):], 0
     kwargs = {**cfg.rg_kwargs, **cfg.sft_rg_kwargs, "size": 16, "seed": cfg.seed}
     for item in DATASETS[name][0](DATASETS[name][1](**kwargs)):
@@ -311,7 +311,7 @@ def collect(cfg, step, run):
     n_local = max(1, cfg.prompts_per_step // n)
     t_start = time.perf_counter()
     kept, results, rec = [], [], {"gen_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "tries": 0}
-    lens, finish_length, rewards_all, zone, zero_adv = [], 0, [], [], 0
+    lens, nll, finish_length, rewards_all, zone, zero_adv = [], [], 0, [], [], 0
     n_draw, drawn, signals = n_local, 0, 0  # per rank this try; drawn, with spread: all ranks
     for t in range(1 + (cfg.refill_tries if cfg.dynamic_sampling else 0)):
         batch = run.sampler.next_batch(n_draw * n, refill=t > 0)  # stage 1: every rank the same...
@@ -321,6 +321,7 @@ def collect(cfg, step, run):
         results.append(res)
         rewards_all.append(r.flatten())
         lens.append(ro.mask.sum(1).float())
+        nll.append(-ro.logp[ro.mask])  # the sampled tokens' -log p: its mean estimates entropy
         finish_length += sum(f == "length" for f in ro.finish)
         has = [group_has_signal(g, cfg.min_spread) for g in r.tolist()]  # this rank's groups
         everyone = parallel.gather(([i for i, _ in batch], r.tolist(), has), n, group)
@@ -340,6 +341,7 @@ def collect(cfg, step, run):
                short=int(sum(n_kept) < n_local * n), len_mean=torch.cat(lens).mean().item(),
                zero_adv_groups=sum(parallel.gather(zero_adv, n, group)), rollouts=len(rew) * n,
                groups_drawn=drawn, groups_signal=signals,  # every rank's, every try's
+               entropy=torch.cat(nll).sum().item() / max(1, len(torch.cat(nll))),  # nats a token
                finish_length=finish_length / len(rew), zone=sum(zone) / len(zone),
                **combine(results).summary(), collect_s=time.perf_counter() - t_start)
     rec.update(run.sparse.observe(n, group))  # the mismatch; the controller moves the table

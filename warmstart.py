@@ -3,7 +3,7 @@ warmstart.py: where the policy starts. A real model comes from its checkpoint (a
 Hugging Face folder); the embedded default's tiny model is trained here first, by SFT on the
 synthetic task's traces.
 
-    python train.py                     # builds the warm start (about a minute on 2 cores), then RL
+    python train.py                     # builds the warm start (minutes on 2 cores), then RL
     python train.py --out_dir=out/try2  # reuses it: out/warmstart-cache/sft-<hash of its settings>
     python train.py configs/longcot.py  # a curriculum: tiny's warm start first, then longer chains
     ZEROS_CACHE=/data/ws python train.py  # the cache in another folder (any out_dir shares it)
@@ -32,13 +32,16 @@ Simplifications:
     1. The teacher is the task's reference trace, with an optional planted error (sft_noise, see
        teacher_trace) or, on order "marked", an optional slip at each carry (sft_slip). On
        reasoning-gym's chain_sum and string_splitting it is exact: every line of its trace holds.
-    2. The SFT loop is plain: one AdamW, warmup then cosine, no packing, no evaluation.
+    2. The SFT loop is plain: one AdamW, warmup then cosine over sft_steps, no packing, no
+       evaluation. With sft_loss it stops at that loss (the mean of the last SFT_WINDOW steps)
+       or at sft_steps, whichever comes first, and the entry records which (sft_fit.json).
     3. "The Hub can be reached" is a TCP connection to its host within 3 seconds (hub_reachable;
        through a proxy it is assumed). Without a network a Hub dataset is read from the cache only
        in datasets' offline mode (HF_DATASETS_OFFLINE=1), which the error says; a Hub model is
        looked up in the cache either way.
 """
 
+import collections
 import hashlib
 import inspect
 import itertools
@@ -66,6 +69,7 @@ from update import build_batch, token_logprobs
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PROGRESS_EVERY_S = 60.0  # how often an SFT in progress saves what it has done (seconds)
 LOG_EVERY_S = 60.0  # a progress line at least this often (and at every tenth of the steps)
+SFT_WINDOW = 50  # sft_loss: SFT stops once the mean loss of this many last steps reaches it
 DATASETS = {"gsm8k": load_gsm8k, "math": load_math, "code": load_mbpp}  # tasks with a data source
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")  # "Qwen/Qwen3-0.6B"
@@ -181,6 +185,8 @@ def sft_key(cfg):
                                         "order", "sft_steps", "sft_batch", "sft_lr", "sft_noise",
                                         "sft_init")}
     key.update(seed=sft_seed(cfg))
+    if cfg.sft_loss:  # sft_steps is then a cap; a run without a target keeps its key
+        key.update(sft_loss=cfg.sft_loss, sft_window=SFT_WINDOW)
     if cfg.sft_slip:  # likewise: a run without the slip keeps its key
         key.update(sft_slip=cfg.sft_slip)
     if cfg.sft_max_lines:
@@ -258,7 +264,8 @@ def warm_start(cfg, tok, dev, log, rank=0):
     try:
         with open(os.path.join(path, "sft_key.json")) as f:
             if json.load(f) == key:
-                log(f"warm start: loading the cached SFT model from {path}")
+                log(f"warm start: loading the cached SFT model from {path}"
+                    + "".join(f" ({fit_text(r)})" for r in [fit(path)] if r))
                 return Transformer.from_pretrained(path, device=dev)
     except FileNotFoundError:
         pass
@@ -279,13 +286,15 @@ def warm_start(cfg, tok, dev, log, rank=0):
     if diff:
         raise ValueError(f"config key 'sft_init' ({cfg.sft_init}): its model differs from this "
                          f"config's: {', '.join(diff)}")
-    sft(cfg, model, tok, dev, log, rank, key, path)
+    result = sft(cfg, model, tok, dev, log, rank, key, path)
 
     def write(d):
         model.save_pretrained(d)
         tok.save_pretrained(d)
         with open(os.path.join(d, "sft_key.json"), "w") as f:
             json.dump(key, f)
+        with open(os.path.join(d, "sft_fit.json"), "w") as f:
+            json.dump(result, f)
 
     save_atomic(path, write)
     if os.path.exists(progress_path(path)):  # the entry supersedes it
@@ -293,21 +302,44 @@ def warm_start(cfg, tok, dev, log, rank=0):
     return model
 
 
+def fit(path):
+    """What the cached warm start in `path` reached (sft_fit.json): {"steps", "loss", "target",
+    "reached"}, or None for an entry written before it was recorded."""
+    try:
+        with open(os.path.join(path, "sft_fit.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def fit_text(r):
+    """sft_fit.json as the log says it."""
+    loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
+    if not r["target"]:
+        return f"{r['steps']} steps, final loss {loss}"
+    return (f"loss {loss} (mean of the last {SFT_WINDOW} steps) "
+            + (f"reached the target {r['target']:g} at step {r['steps']}" if r["reached"] else
+               f"still above the target {r['target']:g} at the cap, {r['steps']} steps"))
+
+
 def sft(cfg, model, tok, dev, log, rank, key, path):
     """The SFT loop, in place: from the progress file of an interrupted build of the same key if
     there is one, saving its own every PROGRESS_EVERY_S seconds; a line each tenth of the steps
     (and at least every LOG_EVERY_S seconds) with the time spent and an estimate of the time
-    left."""
+    left. With sft_loss, it stops once the mean loss of the last SFT_WINDOW steps is at or below
+    it (sft_steps the cap). -> {"steps", "loss", "target", "reached"} (sft_fit.json)."""
     data = sft_problems(cfg)  # SFT's range may differ from RL's
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
     rng = random.Random(sft_seed(cfg))
     file, n = progress_path(path), cfg.sft_steps
     start = load_progress(file, key, model, opt, rng, dev, log)
-    log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model for {n} steps"
+    until = f"until its loss is {cfg.sft_loss:g}, at most {n} steps" if cfg.sft_loss else (
+        f"for {n} steps")
+    log(f"warm start: SFT of a {model.num_params() / 1e6:.2f}M-parameter model {until}"
         + (f", from step {start}" if start else "") + f", to be cached in {path}")
     bar = rank == 0 and sys.stderr.isatty()  # in a file a bar is one endless line: a terminal only
     t0 = shown = saved = time.perf_counter()
-    loss = None
+    loss, recent, done = None, collections.deque(maxlen=SFT_WINDOW), start
     for step in tqdm(range(start, n), desc="sft", disable=not bar, dynamic_ncols=True,
                      initial=start, total=n):
         batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
@@ -326,17 +358,26 @@ def sft(cfg, model, tok, dev, log, rank, key, path):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        recent.append(loss.item())
+        done = step + 1
+        if cfg.sft_loss and len(recent) == SFT_WINDOW and sum(recent) / SFT_WINDOW <= cfg.sft_loss:
+            break
         now = time.perf_counter()
         if step + 1 < n and now - saved >= PROGRESS_EVERY_S:
             save_progress(file, key, step + 1, model, opt, rng)
             saved = now
         if not bar and ((step + 1) % max(1, n // 10) == 0 or now - shown >= LOG_EVERY_S):
             left = (now - t0) / (step + 1 - start) * (n - step - 1)
-            log(f"warm start: step {step + 1}/{n}, loss {loss.item():.4f}, {duration(now - t0)} "
-                f"elapsed, about {duration(left)} left")
+            log(f"warm start: step {step + 1}/{n}, loss {loss.item():.4f} (mean of the last "
+                f"{len(recent)}: {sum(recent) / len(recent):.4f}), {duration(now - t0)} elapsed, "
+                f"{'at most' if cfg.sft_loss else 'about'} {duration(left)} left")
             shown = now
-    if loss is not None:
-        log(f"warm start: final SFT loss {loss.item():.4f}")
+    mean = sum(recent) / len(recent) if recent else None
+    result = {"steps": done, "loss": mean if cfg.sft_loss else loss and loss.item(),
+              "target": cfg.sft_loss,
+              "reached": bool(cfg.sft_loss) and mean is not None and mean <= cfg.sft_loss}
+    log(f"warm start: {fit_text(result)}")
+    return result
 
 
 # ----------------------------------------------------------------------------- before the build

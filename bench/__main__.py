@@ -3,6 +3,7 @@ bench/__main__.py: the command line. Runs one section, prints its table, and wit
 puts the table between the section's markers in bench/RESULTS.md.
 
     python -m bench SECTION [--quick] [--threads N] [--write-results]
+    python -m bench recipe --variants baseline,lr4e-4   # a section's own flags (--config, --jobs)
     python -m bench --help       # the sections, each with what it measures and its time
 
 Flags take either form, --threads 1 or --threads=1.
@@ -37,12 +38,15 @@ SECTIONS = {
     "sparsecost": "stage 2: where a long-CoT decode step's time goes (4 min)",
     "sparsepath": "stage 2: the CPU sparse path vs dense attention at 1k-4k tokens (20 min)",
     "specdecode": "stage 2: self-speculative (lossless) decode vs dense, over k (10 min)",
+    "verifycost": "stage 2: a verify's attention against a dense decode step's (1 min)",
     "pagereads": "stage 2: what reading a fraction of the KV pages costs the memory system",
     "gpu": "stage 2 on one GPU: kernel, Flex, SDPA, engine decode, 2:4, 5 RL steps (GPU only)",
     "syncbytes": "stage 5: the bytes a bf16 copy's delta ships per step (4 min)",
     "step": "a whole RL step against TRL's GRPOTrainer (pip install trl; 5 min)",
     "demo": "the default's RL against iterated RFT, more SFT and SFT on every bin (75 min)",
     "moe": "router replay in the loop on the tiny MoE, 3 seeds (25 min)",
+    "recipe": "the default's RL variants from the same warm starts, 3 seeds, ranked by pass@1 "
+              "against the warm start's pass@64 (about 8 min a run; --quick 1)",
 }
 
 
@@ -73,12 +77,15 @@ def main(argv):
                    help="torch CPU threads (0: torch's default); on a busy machine 1 thread is "
                         "steadier than several that wait on each other")
     p.add_argument("--jobs", type=int, default=1,
-                   help="sparrow: training runs at a time, each in its own process at --threads "
-                        "(0: run none, only tabulate the runs recorded so far)")
+                   help="sparrow, recipe: training runs at a time, each in its own process at "
+                        "--threads (0: run none, only tabulate the runs recorded so far)")
     p.add_argument("--config", default="",
                    help="sparrow: the config its arms train on (default configs/lagged.py; "
                         "configs/splitting.py is the second task family), its own block of "
                         "RESULTS.md")
+    p.add_argument("--variants", default="",
+                   help="recipe: the variants to run, comma-separated (default: all of them); the "
+                        "table holds every variant recorded so far")
     p.add_argument("--write-results", action="store_true",
                    help="rewrite the section's marked block of bench/RESULTS.md")
     args = p.parse_args(argv)
@@ -87,7 +94,11 @@ def main(argv):
     section = importlib.import_module(f"bench.{args.section}")
     if args.config and args.section != "sparrow":
         p.error("--config is sparrow's")
+    if args.variants and args.section != "recipe":
+        p.error("--variants is recipe's")
     extra, block = {}, args.section
+    if args.section == "recipe":
+        extra = {"variants": args.variants, "jobs": args.jobs}
     if args.section == "sparrow":
         extra = {"jobs": args.jobs, **({"config": args.config} if args.config else {})}
         block += section.family(args.config or section.CONFIG)

@@ -34,6 +34,8 @@ Simplifications:
        each difficulty weighted alike; mean and spread (sample standard deviation) are over seeds.
     4. The teacher's fresh problems leave out every held-out prompt, so no arm trains on the
        held-out set.
+    5. Greedy accuracy counts right answers only (a score of 1, heldout.py), as RFT keeps only
+       those; the RL reward keeps reasoning-gym's partial credit.
 """
 
 import random
@@ -53,7 +55,7 @@ from tasks import (CHARS, RG_SPLIT, load_problems, make_reasoning_gym, make_synt
 from update import build_batch, token_logprobs
 from warmstart import sft_target
 
-ARGS = {True: ["--steps=4", "--sft_steps=60", "--n_eval=40", "--eval_sampled=false"],
+ARGS = {True: ["--steps=4", "--sft_steps=60", "--eval_per_bin=4", "--eval_sampled=false"],
         False: []}
 ARMS = ("warm start", "RL", "RFT", "more SFT", "SFT, every bin")
 

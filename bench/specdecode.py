@@ -33,8 +33,14 @@ Simplifications:
     3. The arms take turns; each arm's fastest round counts. Times are the process's CPU time
        (run with --threads 1) less its prefill's: a machine shared with other work slows wall
        time, not CPU time. The draft and verify shares are wall time
-       (the engine's draft_s and verify_s over its decode_s).
-    4. The Qwen3-1.7B row is a prediction only (H200 datasheet rates, bf16 KV and weights, 8 rows
+       (the engine's draft_s and verify_s over its decode_s), and so is the time outside
+       attention (decode_s less the engine's clock of attention and page selection).
+    4. The fixed cost per decode step, from one more untimed call of each arm (bench/sparsecost's
+       `Dispatched`): the PyTorch ops dispatched (a GPU's kernel launches; C++ kernel calls are
+       not among them) and the host syncs (the host's reads of device values after device work),
+       over the call's forwards (decode steps, draft steps and verifies; the prefill's ops among
+       them).
+    5. The Qwen3-1.7B row is a prediction only (H200 datasheet rates, bf16 KV and weights, 8 rows
        each with 32K tokens of its own, tokens per verify (1 - a^(k+1)) / (1 - a) at acceptance a).
 """
 
@@ -44,6 +50,7 @@ import torch
 
 from bench.common import _Ids, hardware
 from bench.cost import machine_rates, model_shape, rollout_cost
+from bench.sparsecost import dispatch_counts
 from bench.sparsepath import model
 from model import ModelConfig
 from rollout import Engine
@@ -83,7 +90,9 @@ def cpu_timed(eng):
 def measure(m, prompts, new, arms, rounds):
     """{arm: (decode CPU ms per token, timings)}, best round; the arms take turns. CPU time
     (time.process_time: on a machine shared with other work, time spent waiting for a core does
-    not count) of the call less that of its prefill."""
+    not count) of the call less that of its prefill. The timings gain the best round's clock
+    (attn_s, select_s) and the arm's ops and host syncs per forward (a decode, draft or verify
+    step)."""
     kw = dict(temperature=1.0, page_size=PAGE, eos_ids=[-1], dense_layers=0)
     engines = {a: cpu_timed(Engine(m, _Ids(), max_new_tokens=new, **kw, **a_kw))
                for a, a_kw in arms.items()}
@@ -94,11 +103,15 @@ def measure(m, prompts, new, arms, rounds):
     for _ in range(rounds):
         for a, eng in engines.items():
             eng.prefill_cpu, t0 = 0.0, time.process_time()
+            eng.clock = clock = {"attn": 0.0, "select": 0.0}
             with torch.no_grad():
                 t = eng.generate(prompts, 1, seed=0).timings
             s = time.process_time() - t0 - eng.prefill_cpu
+            eng.clock = None
             if a not in best or s < best[a][0]:
-                best[a] = (s, t)
+                best[a] = (s, dict(t, attn_s=clock["attn"], select_s=clock["select"]))
+    for a, eng in engines.items():  # the fixed cost, untimed
+        best[a][1]["ops"], best[a][1]["syncs"] = dispatch_counts(eng, prompts, 1)
     return {a: (1e3 * s / (t["new_tokens"] - len(prompts)), t)  # the first token: prefill's
             for a, (s, t) in best.items()}
 
@@ -139,8 +152,9 @@ def run(quick, cmd):
              f"Predicted: bench/cost.py's rollout_cost at {flops / 1e9:.0f} GFLOP/s and "
              f"{bw / 1e9:.1f} GB/s, with the measured tokens per verify.", "",
              "| context | arm | ms/token | speedup over dense | predicted | acceptance | "
-             "tokens/verify | draft share | verify share | pages read / dense |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "tokens/verify | draft share | verify share | pages read / dense | outside attention "
+             "| ops / step | host syncs / step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     measured = {}
     for ctx in contexts:
         prompts = [torch.randint(3, cfg.vocab_size, (ctx,), generator=g).tolist()
@@ -148,8 +162,10 @@ def run(quick, cmd):
         arms = {"dense": {}, **{(f, k): dict(sparse=fraction_budget(f), speculative=k)
                                 for f in fracs for k in ks}}
         res = measure(m, prompts, new, arms, rounds)
-        d = res["dense"][0]
-        lines.append(f"| {ctx} | dense | {d:.2f} | 1.00x | - | - | - | - | - | 1.00 |")
+        d, out = res["dense"][0], lambda t: 1 - (t["attn_s"] + t["select_s"]) / t["decode_s"]
+        td = res["dense"][1]
+        lines.append(f"| {ctx} | dense | {d:.2f} | 1.00x | - | - | - | - | - | 1.00 | "
+                     f"{out(td):.0%} | {td['ops']:.0f} | {td['syncs']:.2f} |")
         for arm, (ms, t) in res.items():
             if arm == "dense":
                 continue
@@ -161,7 +177,8 @@ def run(quick, cmd):
                          f"{dense_c / spec_c:.2f}x | {t['acceptance']:.3f} | "
                          f"{t['tokens_per_verify']:.2f} | {t['draft_s'] / t['decode_s']:.0%} | "
                          f"{t['verify_s'] / t['decode_s']:.0%} | "
-                         f"{t['pages_read'] / t['pages_dense']:.2f} |")
+                         f"{t['pages_read'] / t['pages_dense']:.2f} | {out(t):.0%} | "
+                         f"{t['ops']:.0f} | {t['syncs']:.2f} |")
         print("\n".join(lines[-len(res):]), flush=True)
     acc = {arm: sum(a) / len(a) for arm, a in measured.items()}
     lines += ["", "Cost model PREDICTION (nothing run): Qwen3-1.7B, 8 rows at 32K cached tokens "

@@ -23,11 +23,21 @@ def test_held_out_problems_share_no_prompt_with_the_pool_or_the_sft_data():
     assert len(held) == 200 and not ({p.prompt for p in held} & seen)
     raw = make_synthetic(200, cfg.seed + 10_000, (2, 3))  # what the held-out set was before the filter
     assert {p.prompt for p in raw} & seen
-    # and the default's own sets (chain_sum): held out up to 12 terms, RL pool 2-8, SFT data 2-4; every
-    # 2-term sum is in the pool, so the held-out set starts at 3
+    # and the default's own sets (chain_sum): held out up to 12 terms, RL pool 2-8, SFT data 2-4,
+    # drawn per number of terms (eval_per_bin): 100 of each from 5 terms up (and of 3 and 4 while
+    # enough are unseen); a pool of 3,000 holds nearly every 2-term sum
     cfg = config.parse_config(["--n_train=3000", "--sft_steps=100"])
     pool, held = load_problems(cfg)
-    assert len(held) == cfg.n_eval and {p.meta["difficulty"] for p in held} == set(range(3, 13))
+    n = {d: sum(p.meta["difficulty"] == d for p in held) for d in range(2, 13)}
+    assert cfg.eval_per_bin == 100 and n[2] < 10 and all(n[d] == 100 for d in range(3, 13))
+    assert len({p.prompt for p in held}) == len(held)
+    assert not ({p.prompt for p in held} & {p.prompt for p in pool + sft_problems(cfg)})
+    # the default's pool holds every 2-term sum and with the SFT data most 3-term ones: fewer left,
+    # as many kept as the draws found
+    cfg = config.parse_config(["--eval_per_bin=1000"])
+    pool, held = load_problems(cfg)
+    n = {d: sum(p.meta["difficulty"] == d for p in held) for d in range(2, 13)}
+    assert n[2] == 0 and 0 < n[3] < 1000 and all(n[d] == 1000 for d in range(5, 13)), n
     assert not ({p.prompt for p in held} & {p.prompt for p in pool + sft_problems(cfg)})
 
 
@@ -46,8 +56,13 @@ def test_a_run_reports_accuracy_per_difficulty_and_examples(tmp_path, capsys):
     end = hist["end"]  # the same figures after RL
     assert sorted(end["greedy"]) == [1, 2, 3] and sorted(end["pass@4"]) == [1, 2, 3]
     lines = report.per_difficulty(hist, hist["records"][-1], 4)
-    assert len(lines) == 4 + 3 and all(len(line) <= 100 for line in lines)
-    assert lines[3].split() == ["greedy", "pass@1", "pass@4"] * 2
+    assert len(lines) == 5 + 3 and all(len(line) <= 100 for line in lines)
+    assert lines[4].split() == ["n", "n@k"] + ["greedy", "pass@1", "pass@4"] * 2
+    n = {d: sum(p.meta.get("difficulty") == d for p in load_problems(
+        config.parse_config(TINY_RUN + ["--eval_difficulty=(1,3)", "--n_eval=12"]))[1])
+        for d in (1, 2, 3)}
+    assert [line.split()[:3] for line in lines[5:]] == [[str(d), str(n[d]), str(n[d])]
+                                                      for d in (1, 2, 3)]
 
 
 def test_the_warm_start_is_cached_by_its_settings_not_by_the_output_folder(tmp_path, capsys):
@@ -121,7 +136,7 @@ def test_the_teachers_problems_on_the_default_are_aligned_like_its_pool():
     # the default (reasoning-gym chain_sum, aligned prompts): the SFT arms' fresh problems come from
     # the SFT range or every held-out bin, laid out at the run's width like the pool and held-out set
     from bench import demo
-    cfg = config.parse_config(["--n_train=300", "--sft_steps=10", "--n_eval=40"])
+    cfg = config.parse_config(["--n_train=300", "--sft_steps=10", "--eval_per_bin=4"])
     pool, held = load_problems(cfg)
     sft, every = (demo.fresh_problems(cfg, 200, 0, every_bin=b) for b in (False, True))
     assert demo.span(sft) == (2, 4) and demo.span(every) == (2, 12)
@@ -163,3 +178,58 @@ def test_long_examples_are_clipped_to_their_start_and_end():
                                         "after": "1>1.#1"}]})
     assert lines[1] == "problem: a=1?  (answer 7)" and lines[3] == "  after RL:  1>1.#1"
     assert " ... " in lines[2] and lines[2].endswith("#7") and len(lines[2]) < 330
+
+
+def test_held_out_accuracy_counts_right_answers_and_pass_at_k_samples_a_fixed_subset(tmp_path,
+                                                                                   monkeypatch):
+    # reasoning-gym's score_answer gives partial credit (0.67 for "-40" against -4): held-out
+    # accuracy counts scores of 1 only, and pass@k samples the first eval_k_per_bin of each bin
+    import heldout
+    from bench import demo
+    argv = TINY_RUN + [f"--out_dir={tmp_path / 'run'}", "--eval_difficulty=(1,3)", "--n_eval=12",
+                       "--eval_k_per_bin=2"]
+    cfg, run = demo.fresh_run(argv)
+    score, seen = run.cascade.score_batch, []
+
+    def partial(problems, texts, **k):  # right on 1 term, partial credit on the others
+        res = score(problems, texts, **k)
+        res.rewards = [1.0 if p.meta["difficulty"] == 1 else 0.67 for p in problems]
+        seen.extend(p.meta["difficulty"] for p in problems)
+        return res
+
+    monkeypatch.setattr(run.cascade, "score_batch", partial)
+    acc, by_d, _ = heldout.evaluate(cfg, run)
+    n = {d: sum(p.meta["difficulty"] == d for p in run.eval_p) for d in (1, 2, 3)}
+    assert by_d == {1: 1.0, 2: 0.0, 3: 0.0} and acc == n[1] / sum(n.values())
+    seen.clear()
+    passes = heldout.evaluate(cfg, run, k=4)
+    assert passes["pass@4"] == {1: 1.0, 2: 0.0, 3: 0.0}
+    assert {d: seen.count(d) for d in (1, 2, 3)} == {d: 4 * min(2, n[d]) for d in (1, 2, 3)}
+    assert heldout.counts(cfg, run.eval_p) == {"greedy": n,
+                                               "sampled": {d: min(2, n[d]) for d in (1, 2, 3)}}
+    run.cascade.close()
+
+
+def test_the_warm_start_trains_until_its_loss_with_a_cap(tmp_path, monkeypatch):
+    # sft_loss: SFT stops once the mean loss of its last SFT_WINDOW steps is at or below it, at
+    # most sft_steps steps; the entry records which (sft_fit.json), and the cache key names both
+    import warmstart
+    from tasks import build_char_tokenizer
+    monkeypatch.setenv("ZEROS_CACHE", str(tmp_path / "cache"))
+    tok, cpu = build_char_tokenizer(str(tmp_path / "tok")), torch.device("cpu")
+    easy = config.parse_config(TINY_RUN + ["--sft_steps=200", "--sft_loss=50.0"])  # any loss
+    hard = config.parse_config(TINY_RUN + ["--sft_steps=60", "--sft_loss=1e-9"])  # none
+    logs = []
+    warmstart.warm_start(easy, tok, cpu, logs.append)
+    first = warmstart.fit(cache_path(easy))
+    assert first["steps"] == warmstart.SFT_WINDOW and first["reached"] and first["loss"] <= 50
+    warmstart.warm_start(hard, tok, cpu, logs.append)
+    capped = warmstart.fit(cache_path(hard))
+    assert capped["steps"] == 60 and not capped["reached"] and capped["loss"] > 1e-9
+    assert any("still above the target 1e-09 at the cap, 60 steps" in s for s in logs)
+    warmstart.warm_start(easy, tok, cpu, logs.append)  # cached: the log says what it reached
+    assert "reached the target 50 at step 50" in logs[-1] and "cached" in logs[-1]
+    plain = config.parse_config(TINY_RUN + ["--sft_steps=200"])
+    assert "sft_loss" not in warmstart.sft_key(plain)  # a config without a target keeps its key
+    assert len({cache_path(c) for c in (easy, plain, config.parse_config(
+        TINY_RUN + ["--sft_steps=200", "--sft_loss=0.01"]))}) == 3

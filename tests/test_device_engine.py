@@ -79,7 +79,7 @@ def test_moe_generate_names_every_device(meta_default):
 def test_heldout_names_every_device(meta_default):
     torch.set_default_device("cpu")
     m, tok = tiny_model(), CharTok()
-    cfg = SimpleNamespace(temperature=1.0, max_new_tokens=6, kv_dtype="auto")
+    cfg = SimpleNamespace(temperature=1.0, max_new_tokens=6, kv_dtype="auto", eval_k_per_bin=0)
     kw = dict(max_new_tokens=6, temperature=0.0, page_size=4, pool_tokens=160)
     want = heldout.evaluate(cfg, heldout_run(Engine(m, tok, **kw), KVPool(160)), k=4)
     torch.set_default_device("meta")

@@ -141,7 +141,8 @@ def test_a_call_that_does_not_fit_runs_as_calls_that_do(monkeypatch):
     assert split.timings["generate_calls"] == len(spans) == len(caches)
     assert all(c.num_pages <= cap for c in caches)  # each call's lanes inside the pool
     L, H, D = m.config.num_hidden_layers, m.config.num_key_value_heads, m.config.head_dim
-    assert pool_k(small).numel() == L * H * cap * 4 * D  # allocated once, whole, never grown
+    # allocated once, whole, never grown; one page more: the scratch page (decode.py)
+    assert pool_k(small).numel() == L * H * (cap + 1) * 4 * D
     for f in ("prompt_index", "tokens", "mask", "budget", "budget_dense", "topk_ids",
               "read_pages"):
         assert torch.equal(getattr(split, f), getattr(one, f)), f
@@ -200,7 +201,7 @@ def test_heldout_runs_in_calls_that_fit_the_pool(monkeypatch):
     of them inside the pool (one call of the engine: generate never has to split it), and the
     greedy figures and the shown completions equal one big call's."""
     m, tok = tiny_model(), CharTok()
-    cfg = SimpleNamespace(temperature=1.0, max_new_tokens=8, kv_dtype="auto")
+    cfg = SimpleNamespace(temperature=1.0, max_new_tokens=8, kv_dtype="auto", eval_k_per_bin=0)
     kw = dict(temperature=0.0, max_new_tokens=8, page_size=4)
     want = heldout.evaluate(cfg, heldout_run(Engine(m, tok, **kw), KVPool()), texts=range(30))
     calls, generate = [], Engine.generate
@@ -223,7 +224,7 @@ def test_heldout_runs_in_calls_that_fit_the_pool(monkeypatch):
     assert set(passes) == {"pass@1", "pass@4"}
     assert len(calls) > 2 and all(parts == 1 and pages <= cap for _, parts, pages in calls)
     L, H, D = m.config.num_hidden_layers, m.config.num_key_value_heads, m.config.head_dim
-    assert pool_k(SimpleNamespace(pool=pool)).numel() == L * H * cap * 4 * D
+    assert pool_k(SimpleNamespace(pool=pool)).numel() == L * H * (cap + 1) * 4 * D  # + scratch
 
 
 # ----------------------------------------------------------------------------- one pool, reused

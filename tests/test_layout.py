@@ -16,12 +16,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # stages; the leaves.
 ORDER = ["train", "ledger", "memory", "heldout", "sparse_rollout", "calibrate", "roi", "report",
          "warmstart", "parallel",
-         "checkpoint", "distill", "update", "copies", "sync", "rollout", "speculative", "drafts",
-         "kvcache",
+         "checkpoint", "distill", "update", "copies", "sync", "rollout", "decode", "speculative",
+         "drafts", "kvcache", "kvpool",
          "zeros_kernels.block_sparse_decode", "zeros_kernels.sparse_decode_cpu", "sparsity",
          "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "synthetic",
          "answers",
-         "model", "lora", "moe", "zeros_kernels.linear_cpu", "zeros_kernels.cpu_ext", "config"]
+         "model", "lora", "moe", "zeros_kernels.linear_cpu", "zeros_kernels.cpu_ext", "config",
+         "checks"]
 CORE_MAX_LINES = 650
 FUNCTION_MAX_LINES = 80
 # the Triton kernel: one body, as the compiler wants it

@@ -28,7 +28,7 @@ from test_train import TINY_RUN
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the embedded default (configs/tiny.py, chain_sum) at a size that runs in seconds
 TINY_DEFAULT = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--ffn=64",
-                "--sft_steps=3", "--sft_batch=8", "--n_train=64", "--n_eval=4",
+                "--sft_steps=3", "--sft_batch=8", "--n_train=64", "--eval_per_bin=1",
                 "--eval_sampled=false", "--prompts_per_step=2", "--group_size=4", "--steps=1",
                 "--plot=false"]
 

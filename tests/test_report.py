@@ -65,6 +65,14 @@ def test_summary_json_holds_the_tables_before_and_after_rl_with_their_counts(tmp
     assert saved["summary"]["RL wall time"] == 12.0 and saved["summary"]["steps"] == 10
     assert saved["summary"]["held-out accuracy before RL"] == 0.2
     assert saved["ledger"] == {"steps": 10} and saved["finished"]
+    # pass@k on a subset of each bin (eval_k_per_bin): its own counts beside its figures
+    h = history()
+    h["counts"] = {"greedy": {2: 3, 5: 2}, "sampled": {2: 1, 5: 1}}
+    saved = report.run_figures(h, PROBLEMS, seconds=12.0)
+    assert saved["held_out"]["sampled_by_difficulty"] == {"2": 1, "5": 1}
+    before = saved["by_difficulty"]["before RL"]
+    assert before["pass@8"]["5"] == {"value": 0.75, "n": 1} and before["greedy"]["5"]["n"] == 2
+    assert saved["by_difficulty"]["after RL"]["pass@1"]["2"] == {"value": 0.9, "n": 1}
 
 
 def test_at_the_start_summary_json_holds_the_warm_starts_figures():

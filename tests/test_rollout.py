@@ -196,13 +196,14 @@ def test_finished_rows_give_their_pages_back(monkeypatch):
     first = Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2).generate(RAGGED, 1)
     eos = int(first.tokens[1, 2])  # make row 1 stop at its third token
     caches = capture_caches(monkeypatch)
-    events = []  # "decode" per step, and the pages that each release gave back
-    begin, release = rollout.PagedKVCache.begin_decode, rollout.PagedKVCache.release
-    monkeypatch.setattr(rollout.PagedKVCache, "begin_decode", lambda self, rows: (events.append("decode"),
-                                                                                   begin(self, rows))[1])
+    events = []  # "decode" per round of decode steps, and the pages that each release gave back
+    begin, release = rollout.PagedKVCache.begin_round, rollout.PagedKVCache.release
+    monkeypatch.setattr(rollout.PagedKVCache, "begin_round", lambda self, *a: (events.append("decode"),
+                                                                                begin(self, *a))[1])
     monkeypatch.setattr(rollout.PagedKVCache, "release", lambda self, seq: events.append(
         self.used - (release(self, seq), self.used)[1]))
-    ro = Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2, eos_ids=[eos]).generate(RAGGED, 1)
+    kw = dict(max_new_tokens=8, temperature=0.0, page_size=2, eos_ids=[eos], sync_every=2)  # rounds of 2 steps
+    ro = Engine(m, tok, **kw).generate(RAGGED, 1)
     assert ro.finish[1] == "eos" and int(ro.mask[1].sum()) <= 3
     cache = caches[0]
     first_free = next(i for i, e in enumerate(events) if e != "decode")
@@ -210,7 +211,7 @@ def test_finished_rows_give_their_pages_back(monkeypatch):
     assert cache.used == 0 and cache.refs == [0] * cache.num_pages
     # a pool too small for every row at full length still suffices when finished rows free their pages
     need = ro.timings["pages_peak"]
-    ro2 = Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2, eos_ids=[eos], num_pages=need).generate(RAGGED, 1)
+    ro2 = Engine(m, tok, num_pages=need, **kw).generate(RAGGED, 1)
     assert torch.equal(ro2.tokens, ro.tokens) and need < ro.timings["pages_total"]
     with pytest.raises(RuntimeError, match="out of pages"):
         Engine(m, tok, max_new_tokens=8, temperature=0.0, page_size=2, num_pages=need - 1).generate(RAGGED, 1)

@@ -265,24 +265,22 @@ def test_rescoring_every_k_steps_scores_at_steps_1_k_plus_1_and_reuses_between(m
     ro = eng.generate([[5, 9, 2, 7] * 9], group_size=2)
     if not calls:
         pytest.skip("the C++ CPU kernel did not build here")
-    # layer 0 of each step that selects (two sparse layers a step). 36 prompt tokens in pages of
-    # 4; a step whose rows and page counts are the last one's takes its pick, no call: steps 2
-    # and 3 (and 6, 7) do; step 4 fills page 10 (reuse: it stays read, UNSCORED), step 5
-    # rescores, step 8 fills page 11
+    # layer 0 of each step (two sparse layers a step; a static decode step selects at every
+    # step, decode.py). 36 prompt tokens in pages of 4: steps 1-4 write page 9, which fills at
+    # step 4 (it stays read, UNSCORED), step 5 rescores, steps 6-8 read what step 5 scored
     flags = [r for r, _ in calls[::2]]
-    assert flags == [True, False, True, False]
-    assert torch.equal(calls[0][1], calls[2][1])  # step 4 reads what step 1 scored
-    assert (calls[2][1][:, :, 9] == UNSCORED).all() and (calls[4][1][:, :, 9] < 1e30).all()
-    # taking the last pick changes nothing: without it (a new key every step), the same pages
-    begin = rollout.PagedKVCache.begin_decode
-
-    def no_reuse(self, rows):
-        begin(self, rows)
-        self._key = object()
-
-    monkeypatch.setattr(rollout.PagedKVCache, "begin_decode", no_reuse)
-    again = eng.generate([[5, 9, 2, 7] * 9], group_size=2)
-    assert len(calls) == 4 * 2 + 8 * 2  # every step selects now
-    assert torch.equal(again.read_pages, ro.read_pages) and torch.equal(again.tokens, ro.tokens)
+    assert flags == [True, False, False, False, True, False, False, False]
+    assert all(torch.equal(calls[0][1], calls[2 * i][1]) for i in (1, 2, 3))  # what step 1 scored
+    assert not torch.equal(calls[0][1], calls[8][1])  # step 5 scored afresh
+    assert (calls[6][1][:, :, 9] == UNSCORED).all() and (calls[8][1][:, :, 9] < 1e30).all()
+    assert all(torch.equal(calls[8][1], calls[2 * i][1]) for i in (5, 6, 7))
+    # the clock counts decode steps, not rounds: rounds of 1 or 3 steps score at the same steps
+    # and read the same pages
+    for every in (1, 3):
+        n = len(calls)
+        eng.sync_every = every
+        again = eng.generate([[5, 9, 2, 7] * 9], group_size=2)
+        assert [r for r, _ in calls[n::2]] == flags
+        assert torch.equal(again.read_pages, ro.read_pages) and torch.equal(again.tokens, ro.tokens)
     with pytest.raises(ValueError, match="rescore_every"):
         rollout.Engine(m, Ids(), rescore_every=0, eos_ids=[-1])

@@ -190,7 +190,7 @@ def verify_cache(m, prompts, steps, verify_ref):
     rows)."""
     N = 2 * len(prompts)
     eng = Engine(m, Ids(), max_new_tokens=20, eos_ids=[-1], page_size=4, speculative=7)
-    groups = eng._groups(prompts, 2)
+    groups = eng.groups(prompts, 2)
     cache, live = eng._new_cache(groups, N), list(range(N))
     cache.verify_ref = verify_ref
     with torch.no_grad():

@@ -20,8 +20,16 @@
 //
 // `attend_runs` is dense decode where each (row, KV head)'s keys are one contiguous run (the
 // engine's lanes), through the same `Online` pass, in place of SDPA's CPU flash kernel, which is
-// built for many queries where a row of decode has one. Any number of queries M: in chunks of the
-// instances' sizes (a speculative verify's G * T queries share the run's keys).
+// built for many queries where a row of decode has one.
+//
+// A speculative verify brings G * T queries a KV head (T = k + 1 new tokens, G query heads), and
+// `Online` would take them in chunks of 8, each reading the run again, with a sum across the
+// vector lanes for every query and key. `attend_runs` takes them (and any M > 8) through
+// `attend_block` instead, as flash attention does: a block of 32 keys is read once for all M
+// queries, its scores S = Q K^T are one small GEMM with the queries across the lanes (no sum
+// across them), then the running softmax, then a second GEMM adds P V with the head dim across the
+// lanes. The T new tokens lie in the run right after the cached ones; a mask on the block(s)
+// holding them keeps each new token's query causal.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -430,12 +438,201 @@ torch::Tensor select_pages(torch::Tensor q, std::vector<torch::Tensor> meta,
   return sel;
 }
 
+namespace {
+
+// ---- many queries a key (a verify): a block of keys against all of them at once
+
+// floats a vector register holds (the build's instruction set)
+#if defined(__AVX512F__)
+constexpr int kW = 16;
+#else
+constexpr int kW = 8;
+#endif
+typedef float vecw __attribute__((vector_size(kW * sizeof(float))));
+typedef int32_t veci __attribute__((vector_size(kW * sizeof(int32_t))));
+inline vecw ldw(const float* p) {
+  vecw r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+inline void stw(float* p, vecw x) { std::memcpy(p, &x, sizeof(x)); }
+inline vecw vmax(vecw a, vecw b) { return a > b ? a : b; }
+
+// exp_nonpositive on a whole vector, written out: the compiler leaves the scalar one a call a
+// lane inside these loops
+inline vecw vexp(vecw x0) {
+  const vecw x = vmax(x0, vecw{} - 80.0f);
+  const vecw y0 = x * 1.44269504088896341f + 0.5f;
+  vecw n = __builtin_convertvector(__builtin_convertvector(y0, veci), vecw);  // toward zero
+  n = n > y0 ? n - 1.0f : n;                                                  // so: floor
+  const vecw r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vecw p = vecw{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vecw y = p * r * r + r + 1.0f;
+  const veci bits = (__builtin_convertvector(n, veci) + 127) << 23;  // 2^n
+  return x0 < -80.0f ? vecw{} : y * (vecw)bits;
+}
+
+constexpr int64_t kKeys = 32;     // keys a block: its K, V and scores stay in L1
+constexpr int kAcc = 12;          // accumulator registers a tile (of AVX2's 16)
+constexpr int kMaxMV = 6;         // query vectors a pass: 48 queries (AVX2), 96 (AVX-512)
+constexpr float kMasked = -3.0e38f;  // a masked score: finite, the build being -ffast-math
+
+// S (KT keys, MV * kW queries) = K Q^T: the queries go across the lanes (qt is Q transposed,
+// (D, MV * kW)), and each key element is broadcast to all of them
+template <int MV, int KT>
+inline void block_scores(const float* qt, const float* k, int64_t D, float* s) {
+  constexpr int MP = MV * kW;
+  vecw acc[KT][MV] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    vecw qv[MV];
+    for (int j = 0; j < MV; ++j) qv[j] = ldw(qt + d * MP + j * kW);
+    for (int t = 0; t < KT; ++t) {
+      const float kd = k[t * D + d];
+      for (int j = 0; j < MV; ++j) acc[t][j] += qv[j] * kd;
+    }
+  }
+  for (int t = 0; t < KT; ++t)
+    for (int j = 0; j < MV; ++j) stw(s + t * MP + j * kW, acc[t][j]);
+}
+
+// O = alpha O + P V for MT queries and DV * kW dims over nb keys: the dims go across the lanes,
+// and each weight p[t, i] (row stride MP) is broadcast; O, rows of D, is rescaled as it loads
+template <int MT, int DV>
+inline void block_values(const float* p, int64_t MP, const float* alpha, const float* v,
+                         int64_t D, int64_t nb, float* o) {
+  vecw acc[MT][DV];
+  for (int i = 0; i < MT; ++i)
+    for (int c = 0; c < DV; ++c) acc[i][c] = ldw(o + i * D + c * kW) * alpha[i];
+  for (int64_t t = 0; t < nb; ++t) {
+    vecw vv[DV];
+    for (int c = 0; c < DV; ++c) vv[c] = ldw(v + t * D + c * kW);
+    for (int i = 0; i < MT; ++i)
+      for (int c = 0; c < DV; ++c) acc[i][c] += p[t * MP + i] * vv[c];
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int c = 0; c < DV; ++c) stw(o + i * D + c * kW, acc[i][c]);
+}
+
+template <int DV>
+void block_values_all(const float* p, int64_t MP, const float* alpha, const float* v, int64_t D,
+                      int64_t nb, float* o, int64_t M) {
+  constexpr int MT = kAcc / DV;
+  for (int64_t d0 = 0; d0 < D; d0 += DV * kW) {
+    int64_t m = 0;
+    for (; m + MT <= M; m += MT)
+      block_values<MT, DV>(p + m, MP, alpha + m, v + d0, D, nb, o + m * D + d0);
+    for (; m < M; ++m) block_values<1, DV>(p + m, MP, alpha + m, v + d0, D, nb, o + m * D + d0);
+  }
+}
+
+// The attention of M <= MV * kW queries q (M, D) of one (row, KV head), queries m0 .. m0 + M - 1
+// of its verify, over n contiguous keys and values (n, D), a block of kKeys keys at a time: a GEMM
+// scores the block against all M queries, the running softmax takes it in, a GEMM adds P V.
+// Query m sees the keys before n - tail + 1 + (m0 + m) % tail: with tail = T the last T keys are
+// the new tokens, each query sees those up to its own (queries ordered g * T + i); tail = 1: all
+// n. -> o (M, D), lse (M,). work: D * kMaxMV * kW + 2 * kKeys * D floats
+template <typename T, int MV>
+void attend_block(const float* q, int64_t M, int64_t m0, const T* k, const T* v, int64_t n,
+                  int64_t tail, int64_t D, float scale, float* o, float* lse, float* work) {
+  constexpr int MP = MV * kW;
+  float* qt = work;  // (D, MP): the queries, scaled and transposed; padding lanes zero
+  for (int64_t d = 0; d < D; ++d)
+    for (int m = 0; m < MP; ++m) qt[d * MP + m] = m < M ? q[m * D + d] * scale : 0.f;
+  float *kf = qt + D * MP, *vf = kf + kKeys * D;  // a block of a bf16 or fp16 cache, in fp32
+  float s[kKeys * MP], mx[MP], sum[MP], alpha[MP];
+  veci lim[MV];  // query m sees the keys before lim[m]
+  for (int m = 0; m < MP; ++m) {
+    mx[m] = kMasked;
+    sum[m] = 0.f;
+    lim[m / kW][m % kW] = static_cast<int32_t>(m < M ? n - tail + 1 + (m0 + m) % tail : n);
+  }
+  std::fill(o, o + M * D, 0.f);
+  const int64_t DV = (D / kW) % 4 == 0 ? 4 : (D / kW) % 2 == 0 ? 2 : 1;
+  for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
+    const int64_t nb = std::min(kKeys, n - t0);
+    const float *kb = kf, *vb = vf;
+    if constexpr (std::is_same<T, float>::value) {  // fp32: read in place
+      kb = k + t0 * D;
+      vb = v + t0 * D;
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < nb * D; ++i) {
+        kf[i] = static_cast<float>(k[t0 * D + i]);
+        vf[i] = static_cast<float>(v[t0 * D + i]);
+      }
+      kb = kf;
+      vb = vf;
+    }
+    constexpr int KT = std::max(1, kAcc / MV);
+    int64_t t = 0;
+    for (; t + KT <= nb; t += KT) block_scores<MV, KT>(qt, kb + t * D, D, s + t * MP);
+    for (; t < nb; ++t) block_scores<MV, 1>(qt, kb + t * D, D, s + t * MP);
+    // the causal mask, on the block that holds the new tokens (two, where they straddle)
+    const bool masked = t0 + nb > n - tail + 1;
+    for (int j = 0; j < MV; ++j) {  // the running max, the old weights' rescale, the weights
+      vecw bm = ldw(mx + j * kW);
+      if (masked)
+        for (int64_t i = 0; i < nb; ++i) {
+          const vecw x = ldw(s + i * MP + j * kW);
+          stw(s + i * MP + j * kW, lim[j] > static_cast<int32_t>(t0 + i) ? x : vecw{} + kMasked);
+        }
+      for (int64_t i = 0; i < nb; ++i) bm = vmax(bm, ldw(s + i * MP + j * kW));
+      const vecw a = vexp(ldw(mx + j * kW) - bm);
+      vecw added = {};
+      for (int64_t i = 0; i < nb; ++i) {
+        vecw p = vexp(ldw(s + i * MP + j * kW) - bm);
+        // a masked key has no weight, also for a query that has seen none yet (max kMasked)
+        if (masked) p = lim[j] > static_cast<int32_t>(t0 + i) ? p : vecw{};
+        stw(s + i * MP + j * kW, p);
+        added += p;
+      }
+      stw(alpha + j * kW, a);
+      stw(sum + j * kW, ldw(sum + j * kW) * a + added);
+      stw(mx + j * kW, bm);
+    }
+    if (DV == 4) block_values_all<4>(s, MP, alpha, vb, D, nb, o, M);
+    else if (DV == 2) block_values_all<2>(s, MP, alpha, vb, D, nb, o, M);
+    else block_values_all<1>(s, MP, alpha, vb, D, nb, o, M);
+  }
+  for (int64_t m = 0; m < M; ++m) {  // no key seen: zeros, and lse -inf
+    const float inv = sum[m] > 0.f ? 1.f / sum[m] : 0.f;
+    for (int64_t d = 0; d < D; ++d) o[m * D + d] *= inv;
+    lse[m] = sum[m] > 0.f ? mx[m] + std::log(sum[m]) : -INFINITY;
+  }
+}
+
+// f(MV) with MV a compile-time constant, 1 to kMaxMV
+template <typename F>
+void with_mv(int64_t MV, F&& f) {
+  using std::integral_constant;
+  switch (MV) {
+    case 1: f(integral_constant<int, 1>{}); break;
+    case 2: f(integral_constant<int, 2>{}); break;
+    case 3: f(integral_constant<int, 3>{}); break;
+    case 4: f(integral_constant<int, 4>{}); break;
+    case 5: f(integral_constant<int, 5>{}); break;
+    default: f(integral_constant<int, kMaxMV>{}); break;
+  }
+}
+
+}  // namespace
+
 // Dense decode over contiguous runs (the engine's lanes): q (B, H, M, D) float32, the M queries of
 // each KV head; k, v (B, H, T, D) views with any row and head strides and contiguous tokens;
-// lens (B,) int32 keys of each row (an undefined tensor: all T) -> [out (B, H, M, D) float32,
-// lse (B, H, M) float32], or [] where M or D has no instance here (the caller falls back to SDPA)
+// lens (B,) int32 keys of each row (an undefined tensor: all T). tail = T > 1: a verify, its
+// M = G * T queries ordered g * T + i, the last T of a row's keys its new tokens, seen causally.
+// blocks: a verify and more than 8 queries go through attend_block (false: `Online` in chunks,
+// tail 1 only). -> [out (B, H, M, D) float32, lse (B, H, M) float32], or [] where there is no
+// instance (`Online`: a head dim not in 32, 64, 128; blocks: not a multiple of kW): the caller
+// falls back
 std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                       c10::optional<torch::Tensor> lens, double scale) {
+                                       c10::optional<torch::Tensor> lens, double scale,
+                                       int64_t tail, bool blocks) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 (B, H, M, D) tensor");
   const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3), T_ = k.size(2);
@@ -443,31 +640,45 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
     TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == H && t.size(3) == D &&
                     t.stride(3) == 1 && t.stride(2) == D && t.scalar_type() == k.scalar_type(),
                 "k and v must be (B, H, T, D) views with contiguous tokens, of one dtype");
+  TORCH_CHECK(tail >= 1 && M % tail == 0 && (blocks || tail == 1),
+              "tail must divide the queries M = G * T, and needs blocks");
   const int32_t* lp = nullptr;
   if (lens.has_value() && lens->defined()) {
     TORCH_CHECK(lens->scalar_type() == at::kInt && lens->is_contiguous() && lens->numel() == B,
                 "lens must be a contiguous int32 (B,) tensor");
     lp = lens->data_ptr<int32_t>();
   }
+  // a verify, or more queries than one decode instance holds: blocks of keys for all of them
+  blocks = blocks && (tail > 1 || M > 8);
+  if (blocks ? D % kW != 0 : !with_shape(1, D, [](auto, auto) {})) return {};
+  // the block kernel's passes: at most kMaxMV vectors of queries each, as even as lanes allow
+  const int64_t passes = (M + kMaxMV * kW - 1) / (kMaxMV * kW);
+  const int64_t per = ((M + passes - 1) / passes + kW - 1) / kW * kW;
   auto out = torch::empty({B, H, M, D}, q.options());
   auto lse = torch::empty({B, H, M}, q.options());
-  bool done = false;
   const float sc = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "runs", [&] {
     const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
     const float* qp = q.data_ptr<float>();
     float *op = out.data_ptr<float>(), *lsp = lse.data_ptr<float>();
-    done = with_shape(1, D, [](auto, auto) {});
-    if (!done) return;
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> work(blocks ? D * kMaxMV * kW + 2 * kKeys * D : 0);
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / H, h = bh % H;
         const int64_t n = lp ? std::min<int64_t>(lp[b], T_) : T_;
         const scalar_t *kr = kp + b * k.stride(0) + h * k.stride(1);
         const scalar_t *vr = vp + b * v.stride(0) + h * v.stride(1);
-        // the M queries in chunks that have an instance (8, 4, 3, 2, 1), each chunk reading the
-        // run while the one before left it in cache (a verify's G * T queries: any M)
-        for (int64_t m0 = 0; m0 < M;) {
+        for (int64_t m0 = 0; blocks && m0 < M; m0 += per) {
+          const int64_t mc = std::min(per, M - m0);
+          with_mv((mc + kW - 1) / kW, [&](auto mv) {
+            attend_block<scalar_t, decltype(mv)::value>(qp + (bh * M + m0) * D, mc, m0, kr, vr,
+                                                        n, tail, D, sc, op + (bh * M + m0) * D,
+                                                        lsp + bh * M + m0, work.data());
+          });
+        }
+        // a decode step: the M queries in chunks that have an instance (8, 4, 3, 2, 1), each
+        // chunk reading the run while the one before left it in cache
+        for (int64_t m0 = 0; !blocks && m0 < M;) {
           const int64_t mc = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0;
           with_shape(mc, D, [&](auto m, auto d) {
             constexpr int MM = decltype(m)::value, DD = decltype(d)::value;
@@ -480,12 +691,14 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
       }
     });
   });
-  if (!done) return {};
   return {out, lse};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the interface's version, bumped with a signature: sparse_decode_cpu.cpu_kernel refuses a
+  // build of another one (torch's build cache is named by the kernel, not by its source)
+  m.attr("version") = 2;
   m.def("sparse_decode", &sparse_decode, "block-sparse decode attention over a paged pool");
   m.def("select_pages", &select_pages, "page selection over centroid or Quest scores");
-  m.def("attend_runs", &attend_runs, "dense decode attention over contiguous runs of keys");
+  m.def("attend_runs", &attend_runs, "dense decode and verify attention over contiguous runs");
 }

@@ -6,6 +6,9 @@ reference (same contract: q (B, H_q, D), a paged cache, page tables, the selecte
     sel, n_sel = select_pages_cpu(q, [kmean], table, n_pages, n_full, n_read)   # the engine's
     out = sparse_decode_cpu(q, k_cache, v_cache, table, seq_lens, sel, n_sel)   # selection, read
     out, lse = attend_runs_cpu(q4, k, v, lens)   # dense decode over contiguous runs (lanes)
+    out, lse = attend_runs_cpu(qv, k, v, lens, tail=T)   # a verify's G * T queries, causal on
+                                                         # the last T keys (its new tokens)
+    python -m zeros_kernels.sparse_decode_cpu    # decode vs verify, ns per key (1 thread)
 
 What it does:
     1. cpu_kernel builds sparse_decode_cpu.cpp on first use (zeros_kernels/cpu_ext.py: about a minute;
@@ -19,13 +22,20 @@ What it does:
        time, then SDPA.
     4. attend_runs_cpu: dense decode over each row's keys where they lie, contiguous per (row,
        KV head) (the engine's lanes), in one pass with a running softmax; None where the kernel
-       has no instance for the shape (the caller runs SDPA).
+       has no instance for the shape (the caller runs SDPA). A speculative verify (tail = T: the
+       last T keys are its new tokens, causal) and any M > 8 queries go in blocks of 32 keys, each
+       read once for all M queries as two small GEMMs (Q K^T, then P V), the causal mask on the
+       block that holds the new tokens; attend_runs_ref is its plain PyTorch reference.
 
 Simplifications:
     1. The gather path reads the unread tail of a partial page, so the cache must hold finite
        values there (the engine's pool starts at zero: decode_attention's finite=True).
     2. Ties between equal page scores may break another way than sparsity.select_pages'.
 """
+
+import math
+import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +49,31 @@ from zeros_kernels.cpu_ext import load_cpu_ext
 SPARSE_CHUNK_BYTES = 1 << 19
 
 
+# attend_runs_cpu takes a verify and more than 8 queries through blocks of keys for all of them;
+# False: the decode kernel in chunks of 8, each reading the run again (the path before the blocks,
+# bench verifycost's "before"; a verify then gets None)
+BLOCKS = True
+
+
+# sparse_decode_cpu.cpp's interface version (its `version`), which cpu_kernel checks
+KERNEL_VERSION = 2
+
+
 # the stored score of a page that was not full when scored (the C++ kernel's kUnscored): it is read
 # until the next rescoring, as a page that fills between two scorings must be
 UNSCORED = 3.0e38
 
 
 def cpu_kernel():
-    """The C++ kernel of sparse_decode_cpu.cpp, built on first use (zeros_kernels/cpu_ext.py), or None."""
-    return load_cpu_ext("sparse_decode_cpu")
+    """The C++ kernel of sparse_decode_cpu.cpp, built on first use (zeros_kernels/cpu_ext.py), or None.
+    A build of another version of the file (its `version`: torch's build cache, shared with
+    another checkout, can hand one over) is refused, with a warning: the PyTorch paths run."""
+    ext = load_cpu_ext("sparse_decode_cpu")
+    if ext is not None and getattr(ext, "version", 1) != KERNEL_VERSION:
+        warnings.warn(f"{ext.__file__} is a build of another version of sparse_decode_cpu.cpp "
+                      f"({getattr(ext, 'version', 1)}, not {KERNEL_VERSION}): the PyTorch path")
+        return None
+    return ext
 
 
 def select_pages_cpu(q, meta, page_table, n_pages, n_full, n_read, keep_first=1, keep_recent=2,
@@ -136,19 +163,77 @@ def sparse_decode_cpu(q, k_cache, v_cache, page_table, seq_lens, sel, n_sel, sca
     return out.view(B, H_q, D).to(q.dtype)
 
 
-def attend_runs_cpu(q, k, v, lens=None, scale=None):
+def attend_runs_cpu(q, k, v, lens=None, scale=None, tail=1):
     """Dense decode attention of q (B, H_kv, M, D), the M queries of each KV head, over K, V
     (B, H_kv, T, D) views whose tokens are contiguous (any row and head strides: the engine's
     lanes, read in place), the first lens[b] keys of row b (None: all T), in the C++ kernel.
-    -> (out (B, H_kv, M, D) float32, lse (B, H_kv, M) float32), a row with no key giving zeros and
-    -inf. Any M (the queries go in chunks of 8, 4, 3, 2 or 1, each chunk reading the run while the
-    last one left it in cache); None without the kernel or where it has no instance (D not in 32,
-    64, 128): the caller runs SDPA."""
+    tail = T > 1: a speculative verify, M = G * T queries ordered g * T + i (token i), the last T
+    of a row's keys its new tokens, which query i sees up to its own (attend_runs_ref).
+    -> (out (B, H_kv, M, D) float32, lse (B, H_kv, M) float32), a query with no key giving zeros
+    and -inf. Up to 8 queries: one pass with them in registers; a verify or more: blocks of keys
+    for all of them (BLOCKS). None without the kernel or where it has no instance (decode: D not
+    in 32, 64, 128; blocks: D not a multiple of the vector width, 8 or 16 floats): the caller
+    runs SDPA, or for a verify its two-part path."""
     ext = cpu_kernel()
     D = q.shape[-1]
     if (ext is None or q.is_cuda or any(t.stride(-1) != 1 or t.stride(-2) != D for t in (k, v))
-            or k.dtype != v.dtype):
+            or k.dtype != v.dtype or (tail > 1 and not BLOCKS)):
         return None
     lens = None if lens is None else lens.int().contiguous()
-    res = ext.attend_runs(q.float().contiguous(), k, v, lens, D ** -0.5 if scale is None else scale)
+    res = ext.attend_runs(q.float().contiguous(), k, v, lens, D ** -0.5 if scale is None else scale,
+                          tail, BLOCKS)
     return tuple(res) if res else None
+
+
+def attend_runs_ref(q, k, v, lens=None, scale=None, tail=1):
+    """attend_runs_cpu in plain PyTorch, fp32: row b's first lens[b] keys, query m of a KV head
+    seeing those before lens[b] - tail + 1 + m % tail (a verify's causal mask; tail = 1: all).
+    -> (out, lse); a query with no key: zeros and -inf."""
+    B, H, M, D = q.shape
+    T, dev = k.shape[2], q.device
+    n = torch.full((B,), T, device=dev) if lens is None else lens.long().clamp(max=T)
+    limit = n[:, None] - tail + 1 + torch.arange(M, device=dev) % tail  # (B, M)
+    see = (torch.arange(T, device=dev) < limit[..., None])[:, None]  # (B, 1, M, T)
+    s = (q.float() @ k.float().transpose(-1, -2)) * (D ** -0.5 if scale is None else scale)
+    lse = s.masked_fill(~see, -math.inf).logsumexp(-1)  # (B, H, M)
+    p = (s - lse[..., None]).exp().masked_fill(~see, 0.0)  # no key: lse -inf, every weight 0
+    return p @ v.float(), lse
+
+
+# -----------------------------------------------------------------------------
+# Benchmark
+
+
+def _bench(B=8, T=9, contexts=(1024, 2048, 4096), shapes=((2, 2, 32), (8, 2, 128)), rounds=5):
+    """ns per cached key and KV head, 1 thread: a decode step's G queries against a verify's
+    G * T, in blocks (after) and in the decode kernel's chunks of 8 (before: its cached part only,
+    the T x T part apart); K and V fp32 in lanes, 64 MB of them (layers), read from memory."""
+    torch.set_num_threads(1)
+    global BLOCKS
+    for H, G, D in shapes:
+        for n in contexts:
+            L = max(1, (64 << 20) // (2 * B * H * n * D * 4))  # layers that make 64 MB of K and V
+            kv = [[torch.randn(H, B, n + 64, D).transpose(0, 1) for _ in "kv"] for _ in range(L)]
+            lens = torch.full((B,), n)
+            q1, qT = torch.randn(B, H, G, D), torch.randn(B, H, G * T, D)
+            arms = {"decode": (q1, 0, 1, True), "verify, blocks": (qT, T, T, True),
+                    "verify, chunks": (qT, 0, 1, False)}
+            best = dict.fromkeys(arms, math.inf)
+            for _ in range(rounds):  # the arms take turns: a machine's load hits them all
+                for arm, (q, new, tail, blocks) in arms.items():
+                    BLOCKS = blocks
+                    t0 = time.perf_counter()
+                    for k, v in kv:
+                        k, v = k[:, :, :n + new], v[:, :, :n + new]
+                        attend_runs_cpu(q, k, v, lens + new, tail=tail)
+                    best[arm] = min(best[arm], (time.perf_counter() - t0) / (L * B * H * n))
+            BLOCKS = True
+            print(f"H_kv {H}, G {G}, D {D}, {n} keys: " + ", ".join(
+                f"{a} {t * 1e9:.1f} ns" for a, t in best.items())
+                + f"; verify / decode {best['verify, blocks'] / best['decode']:.2f}x")
+
+
+if __name__ == "__main__":
+    if cpu_kernel() is None:
+        raise SystemExit("no C++ kernel here")
+    _bench()
