@@ -282,7 +282,7 @@ def human(x, unit=""):
     if unit == "s":  # 2 significant digits, in s, ms or us
         for u, scale in (("s", 1), ("ms", 1e-3), ("us", 1e-6)):
             if abs(x) >= scale or u == "us":
-                return f"{x / scale:.2g}{u}" if abs(x) < 100 * scale else f"{x / scale:.0f}{u}"
+                return f"{x / scale:.2g}{u}" if abs(x) < 99.5 * scale else f"{x / scale:.0f}{u}"
     if unit == "bytes":
         for u, s in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
             if abs(x) >= 1 << s:

@@ -194,3 +194,11 @@ def test_a_tiny_run_prints_and_writes_its_ledger(tmp_path, monkeypatch, capsys):
     for side in table.values():
         for col in side.values():
             assert all(cell["n"] == n[d] for d, cell in col.items())
+
+
+def test_seconds_print_as_plain_numbers_near_100():
+    """Two significant digits below 100 s, whole seconds from there; 99.7 s is "100s", not the
+    "1e+02s" that %.2g writes."""
+    from ledger import human
+    assert [human(x, "s") for x in (3.14, 52.4, 99.7, 102.4)] == ["3.1s", "52s", "100s", "102s"]
+    assert human(0.0123, "s") == "12ms"
