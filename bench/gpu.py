@@ -6,7 +6,9 @@ and this repository (no flash-attn, no datasets, no network). Its sections, in o
         at 8k and 32k cached tokens, with the bandwidth each reaches on the bytes it reads;
     (c) the engine's decode tokens/s, dense against 1/8 of the pages, on a Qwen3-1.7B-shaped model
         with random weights, and the lossless row: the 1/8 budget drafts 8 tokens with the Triton
-        kernel, the dense policy verifies them with SDPA over each row's pages;
+        kernel, the dense policy verifies them with SDPA over each row's pages; and the decode
+        step captured as a CUDA graph per bucket (decode.py, step=auto) against the eager step,
+        dense and at 1/8, with the capture's seconds apart and the greedy tokens compared;
     (d) stage 4's 2:4 path: a 2:4-masked bf16 weight as PyTorch's semi-structured sparse tensor
         (torch.sparse.to_sparse_semi_structured; compute capability 8.0 or more) against the same
         masked weight dense, on Qwen3-1.7B's Linear shapes, at decode (32 rows) and prefill (4,096
@@ -167,17 +169,22 @@ def engine_decode(dev, quick):
     tok = type("Ids", (), {"pad_token_id": 0, "eos_token_id": None,
                            "batch_decode": lambda self, rows, **k: ["" for _ in rows]})()
     prompts = [torch.randint(3, cfg.vocab_size, (prompt,)).tolist() for _ in range(n_prompts)]
-    rate, acc = {}, 0.0
-    arms = (("dense", False, 0), ("1/8", fraction_budget(1 / 8), 0),
-            ("speculative", fraction_budget(1 / 8), 8))
-    for name, budget, k in arms:  # greedy; the speculative arm samples at T = 1 (a random
-        # model's greedy drafts tie), so its dense reference is the dense arm's rate
+    rate, acc, capture, tokens = {}, 0.0, {}, {}
+    eighth = fraction_budget(1 / 8)
+    arms = (("dense", False, 0, "auto"), ("1/8", eighth, 0, "auto"),
+            ("speculative", eighth, 8, "auto"), ("dense eager", False, 0, "eager"),
+            ("1/8 eager", eighth, 0, "eager"))
+    for name, budget, k, step in arms:  # greedy; the speculative arm samples at T = 1 (a random
+        # model's greedy drafts tie), so its dense reference is the dense arm's rate. step "auto":
+        # the decode step captured as a CUDA graph per bucket (decode.py); "eager": its reference
         eng = Engine(model, tok, max_new_tokens=new, temperature=1.0 if k else 0.0, sparse=budget,
-                     eos_ids=[-1], speculative=k)
+                     eos_ids=[-1], speculative=k, step=step)
         with torch.no_grad():
             eng.generate(prompts[:1], 1, seed=0)  # warm up (and compile the kernel)
-            t = eng.generate(prompts, G, seed=0).timings
+            ro = eng.generate(prompts, G, seed=0)
+        t, tokens[name] = ro.timings, ro.tokens
         rate[name], acc = t["new_tokens"] / t["decode_s"], t.get("acceptance", acc)
+        capture[name] = t.get("compile_s", 0.0)  # capturing the buckets' graphs, not in decode_s
     head = f"| (c) engine decode, {n_prompts} x {G} rows, {prompt}-token prompts, {new} new"
     yield (f"{head} | dense {rate['dense']:.0f} tok/s | 1/8 {rate['1/8']:.0f} tok/s | "
            f"{rate['1/8'] / rate['dense']:.2f}x |")
@@ -185,6 +192,12 @@ def engine_decode(dev, quick):
            f"each row's pages) | dense {rate['dense']:.0f} tok/s | speculative "
            f"{rate['speculative']:.0f} tok/s, acceptance {acc:.3f} | "
            f"{rate['speculative'] / rate['dense']:.2f}x |")
+    for arm in ("dense", "1/8"):  # on a CPU both run eagerly (no graph): a smoke row
+        same = torch.equal(tokens[arm], tokens[arm + " eager"])  # greedy: the same tokens
+        yield (f"{head}, {arm}: the decode step captured (step=auto, a CUDA graph per bucket) "
+               f"against eager | captured {rate[arm]:.0f} tok/s | eager {rate[arm + ' eager']:.0f}"
+               f" tok/s | {rate[arm] / rate[arm + ' eager']:.2f}x; capture {capture[arm]:.1f} s, "
+               f"apart; tokens {'identical' if same else 'DIFFER'} |")
 
 
 # Qwen3-1.7B's Linear shapes (out, in): q_proj and o_proj; k_proj and v_proj; gate and up; down
