@@ -69,6 +69,7 @@ from sync import Receiver, Sender, send_local
 from tasks import encode_pool, load_problems
 from update import Group, batch_from_groups, lr_at, pg_loss, replay_mismatch, train_on
 from warmstart import build_policy, cache_path
+from zeros_kernels.cpu_ext import prefetch_cpu_ext
 
 @dataclass
 class Run:
@@ -157,6 +158,8 @@ def main(argv):
         return None  # ... and a finished run resumed: "already complete"
     log(idle_keys(cfg))  # the keys set that do nothing in this run, before the warm start
     log(notes(cfg))  # settings that work but may surprise: a long warm-up, a long warm start
+    if dev.type == "cpu":  # a fresh machine compiles the C++ kernels while the warm start trains
+        prefetch_cpu_ext()
     run = None
     try:  # the cascade holds worker processes: close them however the run ends
         run = build(cfg, rank, world, dev, role, log)

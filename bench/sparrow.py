@@ -14,6 +14,10 @@ per seed, one per arm:
     (h) speculative: the sparse policy drafts, the dense one verifies; exact dense samples
     (i) (h) + DistillSparse as the draft: its adapter trains toward the dense policy and only
         drafts, so the samples stay exact; what it can move is the acceptance and the speed
+    (j) (h) drafting from the group's own text instead (spec_draft=suffix, drafts.py): a suffix
+        index over the sibling rows, the prompt and its earlier rollouts; no draft forward
+    (k) (h) and (j) mixed (spec_draft=mix): per round and row, the drafter with more expected
+        tokens a second; the table gives each drafter's acceptance and its share of the drafts
 Per arm, mean and standard deviation over the runs: the read fraction actually read, the in-loop
 speedup at matched lengths (the dense engine decodes the sparse rollout's own tokens, every 5
 steps) and as a fraction of (b)'s, the paired reward gap (sparse minus dense on the same prompts
@@ -106,7 +110,9 @@ def arms(fixed):
             "(f) (d) + DistillSparse": tv(t0) + ["--distill_r=8"],
             "(g) (d), oracle scorer": tv(t0) + ["--kv_scorer=oracle"],
             f"(h) speculative, k={SPEC_K}": spec,
-            "(i) (h) + DistillSparse draft": spec + ["--distill_r=8"]}
+            "(i) (h) + DistillSparse draft": spec + ["--distill_r=8"],
+            "(j) (h), suffix drafts": spec + ["--spec_draft=suffix"],
+            "(k) (h), sparse or suffix per row": spec + ["--spec_draft=mix"]}
 
 
 def summary(history):
@@ -141,6 +147,13 @@ def summary(history):
                 sum(r.get("spec_draft_s", 0.0) for r in recs),
                 sum(r.get("spec_verify_s", 0.0) for r in recs)),
             "per_verify": nanmean([r.get("spec_per_verify", nan) for r in recs]),
+            # per drafter (spec_draft suffix or mix): drafts accepted, and the suffix's share
+            **{f"accept_{d}": nanmean([r[f"spec_accept_{d}"] for r in recs
+                                       if r.get(f"spec_drafted_{d}")])
+               for d in ("sparse", "suffix")},
+            "suffix_share": (lambda a, b: a / (a + b) if a + b else nan)(
+                sum(r.get("spec_drafted_suffix", 0) for r in recs),
+                sum(r.get("spec_drafted_sparse", 0) for r in recs)),
             "curve": [(r["step"], r["reward"], r.get("acc")) for r in recs]}
 
 
@@ -156,7 +169,8 @@ def spread(xs):
 def aggregate(runs):
     """One arm's seeds (summaries) -> {figure: (mean, sd)}, per-bin means, and the mean curve."""
     keys = ("reward0", "reward1", "acc0", "acc", "alpha", "p5", "kv_read", "speedup", "gap0",
-            "gap1", "tv", "accept", "draft_share", "per_verify")
+            "gap1", "tv", "accept", "draft_share", "per_verify", "accept_sparse",
+            "accept_suffix", "suffix_share")
     # .get: a record made before a figure existed (a dense run needs none of the sparse ones)
     out = {k: spread([r.get(k, float("nan")) for r in runs]) for k in keys}
     out["ms"] = spread([1e3 * r["gen_s"] / r["tokens"] for r in runs])
@@ -427,7 +441,10 @@ def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
     pm = lambda m_sd, f=".3f": "-" if m_sd[0] != m_sd[0] else f"{m_sd[0]:{f}} ± {m_sd[1]:{f}}"
     spec = lambda a: ("" if a["draft_share"][0] != a["draft_share"][0] else
                       f"; {a['per_verify'][0]:.1f} tokens a verify, draft "
-                      f"{a['draft_share'][0]:.0%} of decode")
+                      f"{a['draft_share'][0]:.0%} of decode" + (
+                          "" if not a["suffix_share"][0] > 0 else
+                          f"; suffix drafts {a['suffix_share'][0]:.0%} of the drafts, accepted "
+                          f"{a['accept_suffix'][0]:.2f} (sparse {a['accept_sparse'][0]:.2f})"))
     ceiling = next((a["speedup"][0] for n, a in results.items() if n.startswith("(b)")), None)
     rows = []
     for name, a in results.items():

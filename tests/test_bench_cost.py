@@ -73,6 +73,25 @@ def test_sparrow_summary_takes_a_dense_run_that_measures_no_alpha():
     assert s["acc"] == 0.5 and s["tokens"] == 50 and s["bins"] == {"mean": [], "p5": []}
 
 
+def test_sparrow_summary_gives_each_drafters_acceptance_and_the_suffix_share():
+    """Arms (j) and (k): acceptance per drafter over the steps that drafted with it, and the
+    suffix drafter's share of all drafts (a sparse-only run has none)."""
+    from bench import sparrow
+    recs = [{"step": i, "reward": 0.5, "kv_read": 1.0, "gen_s": 1.0, "new_tokens": 10,
+             "spec_drafted_suffix": d_suf, "spec_accept_suffix": a_suf,
+             "spec_drafted_sparse": d_sp, "spec_accept_sparse": a_sp}
+            for i, (d_suf, a_suf, d_sp, a_sp) in enumerate([(30, 0.2, 10, 0.9), (10, 0.4, 30, 0.8),
+                                                            (0, 0.0, 20, 0.7)])]
+    recs[-1]["acc"] = 0.5
+    s = sparrow.summary({"records": recs, "acc0": 0.25})
+    assert s["accept_suffix"] == pytest.approx(0.3)  # the third step drafted nothing from text
+    assert s["accept_sparse"] == pytest.approx(0.8)
+    assert s["suffix_share"] == pytest.approx(40 / 100)
+    assert [n for n in sparrow.arms(3)][-2:] == ["(j) (h), suffix drafts",
+                                                "(k) (h), sparse or suffix per row"]
+    assert "--spec_draft=mix" in sparrow.arms(3)["(k) (h), sparse or suffix per row"]
+
+
 def test_sparrow_predictors_rank_each_statistic_against_the_held_out_gap():
     from bench import sparrow
     assert sparrow.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)

@@ -472,3 +472,42 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatc
         assert clear_stale_lock("zeros_test_ext")
     assert not lock.exists() and "stale build lock" in str(w[0].message)
     assert not clear_stale_lock("zeros_test_ext")  # none left: nothing to do
+
+
+def test_a_prefetched_build_runs_once_and_load_waits_for_it(monkeypatch):
+    """prefetch_cpu_ext starts the compile in a thread; a load that comes while it runs waits for
+    that build and gets its module, and no second build starts (so a first run compiles while
+    the warm start trains, once)."""
+    import threading
+    from zeros_kernels import cpu_ext
+    monkeypatch.setattr(cpu_ext, "_BUILDS", {})
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_compile(name):
+        calls.append(name)
+        started.set()
+        release.wait(10)
+        return f"module {name}"
+    monkeypatch.setattr(cpu_ext, "_compile", slow_compile)
+    cpu_ext.prefetch_cpu_ext("k")  # returns at once, the build under way
+    assert started.wait(10) and calls == ["k"]
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(cpu_ext.load_cpu_ext("k")))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # waiting on the build, not building again
+    release.set()
+    waiter.join(10)
+    assert got == ["module k"] and cpu_ext.load_cpu_ext("k") == "module k" and calls == ["k"]
+    cpu_ext.prefetch_cpu_ext("k")  # built: nothing starts
+    assert calls == ["k"]
+
+
+def test_a_build_that_raises_reaches_its_waiters(monkeypatch):
+    from zeros_kernels import cpu_ext
+    monkeypatch.setattr(cpu_ext, "_BUILDS", {})
+    monkeypatch.setattr(cpu_ext, "_compile", lambda name: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        cpu_ext.load_cpu_ext("k")
+    with pytest.raises(ZeroDivisionError):  # the same failure again, not a hang
+        cpu_ext.load_cpu_ext("k")

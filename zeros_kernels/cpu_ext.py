@@ -3,15 +3,22 @@ zeros_kernels/cpu_ext.py: how the C++ CPU kernels of zeros_kernels/ are built (t
 first use, cached by torch), and how to do without them.
 
     ext = load_cpu_ext("sparse_decode_cpu")   # zeros_kernels/sparse_decode_cpu.cpp, built, or None
+    prefetch_cpu_ext("sparse_decode_cpu")     # the same build, started in a background thread
+
+The first build of a kernel compiles torch's headers: one to two minutes of one core on a fresh
+machine. train.py starts every kernel's build in a background thread (prefetch_cpu_ext) before
+the warm start trains, so that on a first run the compile overlaps SFT; the first load_cpu_ext
+of a kernel whose build is under way waits for it.
 
 Each kernel is a fast path with a PyTorch reference beside it (tests check that the two agree), so
 a machine without a C++ compiler or ninja runs the reference and says so once, in a warning.
 ZEROS_CPU_KERNEL=0 turns every C++ kernel off.
 """
 
-import functools
+import concurrent.futures
 import hashlib
 import os
+import threading
 import time
 import warnings
 
@@ -38,10 +45,48 @@ def clear_stale_lock(name, minutes=10):
     return True
 
 
-@functools.lru_cache(maxsize=None)
+# every kernel's build, started or done: {name: a Future of the module (or None)}
+_BUILDS, _LOCK = {}, threading.Lock()
+KERNELS = ("sparse_decode_cpu", "linear_cpu")  # the .cpp files of zeros_kernels/
+
+
 def load_cpu_ext(name):
     """zeros_kernels/<name>.cpp built as a torch extension (about a minute the first time; torch caches
-    the build), or None: ZEROS_CPU_KERNEL=0, or no C++ compiler or ninja (a warning says why)."""
+    the build), or None: ZEROS_CPU_KERNEL=0, or no C++ compiler or ninja (a warning says why). A
+    build that prefetch_cpu_ext started is waited for, not started again."""
+    return _build(name, wait=True)
+
+
+def prefetch_cpu_ext(*names):
+    """Start building each kernel (default: every one) in a background thread and return at once;
+    nothing happens for one already built or under way, or with ZEROS_CPU_KERNEL=0."""
+    if os.environ.get("ZEROS_CPU_KERNEL", "1") != "0":
+        for name in names or KERNELS:
+            _build(name, wait=False)
+
+
+def _build(name, wait):
+    """One build per kernel and process: the first caller starts it (here, or in a daemon thread
+    when not `wait`); every caller with `wait` gets its result."""
+    with _LOCK:
+        fut, first = _BUILDS.get(name), name not in _BUILDS
+        if first:
+            fut = _BUILDS[name] = concurrent.futures.Future()
+    if first:
+        def run():
+            try:
+                fut.set_result(_compile(name))
+            except BaseException as e:  # a waiter gets it rather than waiting forever
+                fut.set_exception(e)
+        if wait:
+            run()
+        else:
+            threading.Thread(target=run, name=f"build {name}", daemon=True).start()
+    return fut.result() if wait else None
+
+
+def _compile(name):
+    """The build itself -> the module, or None with a warning."""
     if os.environ.get("ZEROS_CPU_KERNEL", "1") == "0":
         return None
     isa = torch.backends.cpu.get_cpu_capability()
