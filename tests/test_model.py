@@ -93,15 +93,20 @@ def test_unsupported_model_type_is_named():
         ModelConfig.from_hf({"model_type": "llama"})
 
 
+@pytest.mark.parametrize("avx512", [True, False])
 @pytest.mark.parametrize("kind,shape", [("dense", (3, 11)), ("moe", (3, 11)), ("dense", (8, 1)),
                                         ("moe", (3, 2))])
-def test_packed_weights_match_the_modules(kind, shape, monkeypatch):
+def test_packed_weights_match_the_modules(kind, shape, avx512, monkeypatch):
     """Inside Transformer.packed() (the engine's CPU path: q|k|v and gate|up as one matmul each, on
     oneDNN, or zeros_kernels/linear_cpu at 8 rows or fewer) the forward equals the plain one; the copies
     go on exit, and a weight changed between two calls is read fresh. Groups with a LoRA layer keep
-    the modules' forwards, the rest is packed."""
+    the modules' forwards, the rest is packed. The kernel runs only on an AVX-512 CPU (on AVX2 it
+    spills): `avx512` poses as one (the kernel is correct anywhere, only slow without it)."""
     import model as model_module
     from model import add_lora
+    from zeros_kernels import linear_cpu as lc
+    monkeypatch.setattr(lc, "linear_cpu_available",
+                        lambda: avx512 and load_cpu_ext("linear_cpu") is not None)
     monkeypatch.setattr(Transformer, "PACK_MIN_HIDDEN", 0)  # this model is narrow
     small = []  # the rows of each call that took the C++ kernel
     monkeypatch.setattr(model_module, "linear_cpu", lambda x, w, n: small.append(x.shape[:-1])
@@ -132,8 +137,15 @@ def test_packed_weights_match_the_modules(kind, shape, monkeypatch):
     # the small path ran only on batches of at most 8 rows (an MoE expert's few tokens too), and
     # ran wherever the kernel is and the batch is small
     assert all(s.numel() <= 8 for s in small)
-    assert bool(small) == (load_cpu_ext("linear_cpu") is not None
+    assert bool(small) == (avx512 and load_cpu_ext("linear_cpu") is not None
                            and (idx.numel() <= 8 or kind == "moe"))
+
+
+def test_the_small_linear_kernel_is_used_only_with_avx512(monkeypatch):
+    """On AVX2 its accumulators spill (9x slower than oneDNN on an EPYC): no packed copy there, so
+    the model takes oneDNN's path."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert linear_cpu_pack(torch.randn(64, 32)) is None
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -145,6 +157,6 @@ def test_linear_cpu_equals_f_linear(rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(100, 37, generator=gen)
     x = torch.randn(rows, 1, 2 * 37, generator=gen)[..., ::2]  # (rows, 1, 37), stride 2
-    got = linear_cpu(x, linear_cpu_pack(w), 100)
+    got = linear_cpu(x, load_cpu_ext("linear_cpu").pack(w), 100)  # any CPU: pack() directly
     assert got.shape == (rows, 1, 100)
     assert (got - F.linear(x, w)).abs().max().item() <= 1e-5
