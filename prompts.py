@@ -6,6 +6,8 @@ no gradient, only cost. The growth zone is what lies between. This file holds:
   - PromptSampler: uniform, without replacement within an epoch (the baseline);
   - PassRates and GrowthZoneSampler: a decayed Beta posterior per prompt, and Thompson draws that
     fill most of the batch from the zone while the rest explores the prompts picked longest ago;
+    where the prompts have a difficulty, a prompt's prior is its difficulty's pooled pass rate, so
+    an unseen prompt of a difficulty the policy always solves is skipped without a rollout;
   - make_sampler: the one a config asks for;
   - group_has_signal: DAPO's test for a group worth training on;
   - refill_size: how many prompts a refill draws (the refill loop is train.collect's).
@@ -14,7 +16,12 @@ Simplifications:
   1. A pass is a reward >= threshold; the posterior ignores how far above or below it a reward is.
   2. Forgetting counts observations, not time: a prompt nobody picks keeps its estimate until the
      exploration (or a lucky draw) brings it back.
-  3. The prior is fixed (Beta(1, 1) by default), not fitted to the pool.
+  3. The prior is Beta(1, 1) by default. With `bins` (zone_prior="difficulty": the prompts'
+     meta["difficulty"]) a prompt's prior is instead Beta(k m, k (1 - m)), m the pooled pass rate
+     of its bin (decayed counts over every group observed in it, from the Beta(1, 1) prior) and k
+     = `strength` pseudo-observations: a large pool of which each prompt is seen once or never
+     (the default's 20,000) then draws by its difficulty, not uniformly. Nothing finer than the
+     bin is pooled.
   4. Exploitation is uniform within the zone; it does not prefer pass rates near 1/2.
 
     sampler = GrowthZoneSampler(problems, seed=0, zone=(0.1, 0.9), explore=0.1)
@@ -109,7 +116,8 @@ class PassRates:
     """
 
     def __init__(self, n: int, prior: tuple = (1.0, 1.0), decay: float = 0.8,
-                 threshold: float = 0.5):
+                 threshold: float = 0.5, bins=None, strength: float = 8.0,
+                 bin_decay: float = 0.9):
         if len(prior) != 2 or not (prior[0] > 0 and prior[1] > 0):
             raise ValueError(f"PassRates: prior must be (a, b) with a, b > 0, got {prior!r}")
         if not 0 < decay <= 1:
@@ -118,6 +126,13 @@ class PassRates:
                                                       float(decay), float(threshold))
         self.s, self.f = np.zeros(n), np.zeros(n)  # decayed pass and fail counts
         self.visits = np.zeros(n, dtype=np.int64)  # groups observed, never decayed
+        # the pooled prior: each prompt's bin (0 .. B-1), each bin's decayed pass and fail counts
+        self.bins = None if bins is None else np.asarray(bins, dtype=np.int64)
+        if self.bins is not None and (self.bins.shape != (n,) or (self.bins < 0).any()):
+            raise ValueError(f"PassRates: bins must be {n} labels >= 0")
+        nb = 0 if self.bins is None else int(self.bins.max(initial=-1)) + 1
+        self.bs, self.bf = np.zeros(nb), np.zeros(nb)
+        self.strength, self.bin_decay = float(strength), float(bin_decay)
 
     def observe(self, indices: Sequence[int], groups: Sequence[np.ndarray]) -> None:
         for i, r in zip(indices, groups):  # one Python step per group, never per prompt of the pool
@@ -128,13 +143,27 @@ class PassRates:
             self.s[i] = self.decay * self.s[i] + passes
             self.f[i] = self.decay * self.f[i] + (r.size - passes)
             self.visits[i] += 1
+            if self.bins is not None:  # the bin's counts forget by the group, like a prompt's
+                d = self.bins[i]
+                self.bs[d] = self.bin_decay * self.bs[d] + passes
+                self.bf[d] = self.bin_decay * self.bf[d] + (r.size - passes)
+
+    def prior(self):
+        """Every prompt's prior (a, b): the fixed one, or Beta(k m, k (1 - m)) from its bin's pooled
+        pass rate m (a bin not yet observed: m = 1/2)."""
+        if self.bins is None:
+            return self.a, self.b
+        m = ((self.a + self.bs) / (self.a + self.b + self.bs + self.bf))[self.bins]
+        return self.strength * m, self.strength * (1 - m)
 
     def mean(self) -> np.ndarray:
-        return (self.a + self.s) / (self.a + self.b + self.s + self.f)
+        a, b = self.prior()
+        return (a + self.s) / (a + b + self.s + self.f)
 
     def draw(self, rng: np.random.Generator) -> np.ndarray:
         """One Thompson draw of every prompt's pass rate."""
-        return rng.beta(self.a + self.s, self.b + self.f)
+        a, b = self.prior()
+        return rng.beta(a + self.s, b + self.f)
 
 
 class GrowthZoneSampler:
@@ -158,7 +187,7 @@ class GrowthZoneSampler:
 
     def __init__(self, problems: Sequence[Problem], seed: int, zone: tuple = (0.1, 0.9),
                  explore: float = 0.1, prior: tuple = (1.0, 1.0), decay: float = 0.8,
-                 threshold: float = 0.5, cooldown: int = 0):
+                 threshold: float = 0.5, cooldown: int = 0, bins=None):
         if len(problems) == 0:
             raise ValueError("GrowthZoneSampler needs at least one problem")
         if len(zone) != 2 or not 0 <= zone[0] < zone[1] <= 1:
@@ -171,7 +200,7 @@ class GrowthZoneSampler:
         self.problems, self.seed = list(problems), int(seed)
         self.lo, self.hi, self.explore, self.cooldown = (float(zone[0]), float(zone[1]),
                                                          float(explore), cooldown)
-        self.rates = PassRates(len(self.problems), prior, decay, threshold)
+        self.rates = PassRates(len(self.problems), prior, decay, threshold, bins)
         self.rng = np.random.default_rng(self.seed)
         self.step = 0
         self.last_pick = np.full(len(self.problems), -1, dtype=np.int64)  # -1: never picked
@@ -249,7 +278,8 @@ class GrowthZoneSampler:
     def state_dict(self) -> dict:
         r = self.rates
         arrays = {k: torch.from_numpy(v.copy()) for k, v in
-                  (("s", r.s), ("f", r.f), ("visits", r.visits), ("last_pick", self.last_pick))}
+                  (("s", r.s), ("f", r.f), ("visits", r.visits), ("last_pick", self.last_pick),
+                   ("bs", r.bs), ("bf", r.bf))}
         return {"kind": "growth_zone", "n_problems": len(self.problems), "seed": self.seed,
                 "step": self.step, "rng": self.rng.bit_generator.state, "stats": dict(self._stats),
                 **arrays}
@@ -267,6 +297,11 @@ class GrowthZoneSampler:
         self.rates.s, self.rates.f = (sd["s"].numpy().astype(np.float64),
                                       sd["f"].numpy().astype(np.float64))
         self.rates.visits = sd["visits"].numpy().astype(np.int64)
+        if self.rates.bs.shape != tuple(sd.get("bs", torch.zeros(0)).shape):
+            raise ValueError("sampler state has another number of difficulty bins than this run "
+                             "(config key zone_prior changed?); a run cannot switch on resume")
+        self.rates.bs = sd["bs"].numpy().astype(np.float64) if "bs" in sd else self.rates.bs
+        self.rates.bf = sd["bf"].numpy().astype(np.float64) if "bf" in sd else self.rates.bf
         self.last_pick = sd["last_pick"].numpy().astype(np.int64)
 
 
@@ -298,11 +333,23 @@ def refill_size(n_local: int, n_kept: int, drawn: int, signals: int) -> int:
     return min(n_local, math.ceil((n_local - n_kept) * drawn / max(1, signals)))
 
 
+def difficulty_bins(problems: Sequence[Problem]):
+    """Each prompt's bin for the pooled prior: the rank of its meta["difficulty"] among the pool's
+    values; None (a flat prior) when a prompt has none."""
+    ds = [p.meta.get("difficulty") if p.meta else None for p in problems]
+    if any(d is None for d in ds):
+        return None
+    rank = {d: i for i, d in enumerate(sorted(set(ds)))}
+    return [rank[d] for d in ds]
+
+
 def make_sampler(cfg, problems: Sequence[Problem]):
     """The sampler that config key `sampler` names: growth (the growth zone) or uniform (the
     baseline)."""
     if cfg.sampler == "growth":
-        return GrowthZoneSampler(problems, cfg.seed, zone=cfg.zone, explore=cfg.explore)
+        return GrowthZoneSampler(problems, cfg.seed, zone=cfg.zone, explore=cfg.explore,
+                                 bins=difficulty_bins(problems) if cfg.zone_prior ==
+                                 "difficulty" else None)
     if cfg.sampler == "uniform":
         return PromptSampler(problems, cfg.seed)
     raise ValueError(f"config key 'sampler' must be growth or uniform, got {cfg.sampler!r}")

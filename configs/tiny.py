@@ -22,7 +22,7 @@ n_train = 20000
 eval_per_bin = 100
 eval_sampled = True         # also pass@1, pass@8 and pass@64 at temperature 1, before and after RL, per difficulty,
 eval_k = 64
-eval_k_per_bin = 20         # ... on the first 20 problems of each number of terms (the default's time)
+eval_k_per_bin = 10         # ... on the first 10 problems of each number of terms (the default's time)
 # accuracy counts right answers only (a score of 1). The RL reward keeps reasoning-gym's partial credit: its
 # score_answer gives 0.67 to a wrong answer that contains the right one ("-40" or "1-4" for -4), and RL trains on that
 n_layer = 4
@@ -41,10 +41,13 @@ prompts_per_step = 16
 group_size = 8
 max_new_tokens = 64         # a 12-term trace is 48 characters and its answer line 9
 lr = 2e-4
-steps = 120
+steps = 100
 warmup_steps = 5
 micro_batch = 64
-eval_every = 10             # held-out greedy accuracy every 10 steps: the curve in run.png
+eval_every = 20             # held-out greedy accuracy every 20 steps: the curve in run.png
 save_every = 20
 # stage 1 (config.py's defaults): the growth-zone sampler keeps prompts whose pass rate is in (0.1, 0.9), so the
-# curriculum follows the policy from 5 terms outward as it learns them
+# curriculum follows the policy from 5 terms outward as it learns them. Of 20,000 prompts each is seen about once,
+# so a prompt's prior is its number of terms' pooled pass rate (zone_prior="difficulty"): unseen sums of a length the
+# policy always solves are skipped before any rollout. With the flat prior (--zone_prior=flat) it drew 46 groups a
+# step to keep 14 of 16; with the pooled one 40 to keep 16, and held-out accuracy rose faster (seed 0)

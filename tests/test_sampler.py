@@ -203,3 +203,32 @@ def test_group_has_signal_inputs():
         group_has_signal([0.0, float("nan")])
     with pytest.raises(ValueError, match="spread"):
         group_has_signal([0.0, 1.0], spread="var")
+
+
+def test_the_pooled_prior_skips_unseen_prompts_of_a_solved_difficulty():
+    """A large pool, each prompt seen about once: with a flat prior an unseen prompt draws from
+    Beta(1, 1) and the sampler is nearly uniform; with its difficulty's pooled pass rate as its
+    prior, unseen prompts of an always-solved difficulty are skipped and the batch fills from the
+    difficulty in the zone. Bins: 0 always solved, 1 solved half the time, 2 never."""
+    n = 6000
+    bins = [i % 3 for i in range(n)]
+    rates = np.array([(1.0, 0.5, 0.0)[b] for b in bins])
+    share = {}
+    for name, b in (("flat", None), ("pooled", bins)):
+        s = GrowthZoneSampler(pool(n), seed=3, bins=b)
+        drawn = np.array(run(s, rates, 40)[5:]).ravel()
+        share[name] = np.mean(np.array(bins)[drawn] == 1)
+    assert share["flat"] < 0.45, share  # about a third: nearly uniform over the bins
+    assert share["pooled"] > 0.8, share
+
+
+def test_pooled_prior_counts_round_trip_and_a_changed_binning_is_refused():
+    bins = [0, 0, 1, 1]
+    s = GrowthZoneSampler(pool(4), seed=0, bins=bins)
+    s.observe([0, 2], [[1.0] * G, [0.0] * G])
+    t = GrowthZoneSampler(pool(4), seed=0, bins=bins)
+    t.load_state_dict(s.state_dict())
+    assert np.allclose(t.rates.mean(), s.rates.mean()) and t.rates.bs[0] == G
+    assert t.rates.mean()[1] == pytest.approx(0.9) and t.rates.mean()[3] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="zone_prior"):
+        GrowthZoneSampler(pool(4), seed=0).load_state_dict(s.state_dict())
