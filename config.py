@@ -189,9 +189,9 @@ class Config:
     sampler: str = "growth"  # growth | uniform
     zone: tuple = (0.1, 0.9)  # pass-rate bounds of the growth zone
     explore: float = 0.1  # fraction of each batch spent on the least recently seen prompts
-    # a prompt's prior pass rate: its difficulty's pooled rate (difficulty: prompts with no
-    # meta["difficulty"] fall back to flat), or Beta(1, 1) (flat)
-    zone_prior: str = "difficulty"
+    # a prompt's prior pass rate: Beta(1, 1) (flat), or its difficulty's pooled rate (difficulty:
+    # prompts with no meta["difficulty"] fall back to flat; `python -m bench recipe`'s pooled-prior)
+    zone_prior: str = "flat"
     # drop groups whose rewards are all equal and refill (False: train on every group)
     dynamic_sampling: bool = True
     # extra draws (missing groups / keep rate each) to refill dropped groups; then train short

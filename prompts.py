@@ -6,8 +6,8 @@ no gradient, only cost. The growth zone is what lies between. This file holds:
   - PromptSampler: uniform, without replacement within an epoch (the baseline);
   - PassRates and GrowthZoneSampler: a decayed Beta posterior per prompt, and Thompson draws that
     fill most of the batch from the zone while the rest explores the prompts picked longest ago;
-    where the prompts have a difficulty, a prompt's prior is its difficulty's pooled pass rate, so
-    an unseen prompt of a difficulty the policy always solves is skipped without a rollout;
+    with zone_prior="difficulty", a prompt's prior is its difficulty's pooled pass rate, so an
+    unseen prompt of a difficulty the policy always solves is skipped without a rollout;
   - make_sampler: the one a config asks for;
   - group_has_signal: DAPO's test for a group worth training on;
   - refill_size: how many prompts a refill draws (the refill loop is train.collect's).
@@ -16,12 +16,12 @@ Simplifications:
   1. A pass is a reward >= threshold; the posterior ignores how far above or below it a reward is.
   2. Forgetting counts observations, not time: a prompt nobody picks keeps its estimate until the
      exploration (or a lucky draw) brings it back.
-  3. The prior is Beta(1, 1) by default. With `bins` (zone_prior="difficulty": the prompts'
-     meta["difficulty"]) a prompt's prior is instead Beta(k m, k (1 - m)), m the pooled pass rate
-     of its bin (decayed counts over every group observed in it, from the Beta(1, 1) prior) and k
-     = `strength` pseudo-observations: a large pool of which each prompt is seen once or never
-     (the default's 20,000) then draws by its difficulty, not uniformly. Nothing finer than the
-     bin is pooled.
+  3. The prior is Beta(1, 1) by default (zone_prior="flat"). With `bins` (zone_prior="difficulty":
+     the prompts' meta["difficulty"]) a prompt's prior is instead Beta(k m, k (1 - m)), m the pooled
+     pass rate of its bin (decayed counts over every group observed in it, from the Beta(1, 1)
+     prior) and k = `strength` pseudo-observations: a large pool of which each prompt is seen once
+     or never (the default's 20,000) then draws by its difficulty, not uniformly. Nothing finer
+     than the bin is pooled.
   4. Exploitation is uniform within the zone; it does not prefer pass rates near 1/2.
 
     sampler = GrowthZoneSampler(problems, seed=0, zone=(0.1, 0.9), explore=0.1)

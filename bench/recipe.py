@@ -24,8 +24,8 @@ Simplifications:
        (--quick: to a temporary folder); a run recorded with the same arguments is not run again,
        so a sweep can be run in parts, and the table holds every variant recorded so far, losers
        included. A change of code is not seen: delete the records to rerun them. The records of
-       an earlier default (flat prior, 120 steps, pass@k on 20 a bin) are kept apart in
-       bench/recipe_runs/flat-prior-120/, outside the table; RESULTS.md keeps their table.
+       an earlier default (120 steps, pass@k on 20 a bin) are kept apart in
+       bench/recipe_runs/earlier-120/, outside the table; RESULTS.md keeps their table.
     4. --jobs N starts the runs variant by variant, seed after seed, so the first N runs are of
        different seeds and each builds its seed's warm start; a later run of that seed finds it
        cached (two runs that build one warm start at once would share its progress file).
@@ -69,8 +69,8 @@ VARIANTS = {
     "clip0.2": ("no clip-higher (clip_high = clip_low = 0.2)", ["--clip_high=0.2"]),
     "drgrpo": ("Dr. GRPO: advantages not divided by the group's std", ["--adv_norm=none"]),
     "uniform": ("uniform prompt sampling, not the growth zone", ["--sampler=uniform"]),
-    "flat-prior": ("the growth zone with a flat prior, not the difficulty's pooled pass rate",
-                   ["--zone_prior=flat"]),
+    "pooled-prior": ("each prompt's prior: its number of terms' pooled pass rate",
+                     ["--zone_prior=difficulty"]),
     "kl0.01": ("a KL penalty to the warm start, 0.01 (k2)", ["--kl_coef=0.01"]),
 }
 QUICK = ["--steps=2", "--n_train=200", "--sft_steps=10", "--sft_loss=0", "--eval_per_bin=2",

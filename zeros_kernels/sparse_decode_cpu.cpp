@@ -626,8 +626,8 @@ void with_mv(int64_t MV, F&& f) {
 // each KV head; k, v (B, H, T, D) views with any row and head strides and contiguous tokens;
 // lens (B,) int32 keys of each row (an undefined tensor: all T). tail = T > 1: a verify, its
 // M = G * T queries ordered g * T + i, the last T of a row's keys its new tokens, seen causally.
-// blocks: a verify and more than 8 queries go through attend_block (false: `Online` in chunks,
-// tail 1 only). -> [out (B, H, M, D) float32, lse (B, H, M) float32], or [] where there is no
+// blocks: all M queries through attend_block (the caller sets it for a verify, more than 8
+// queries or a long lane; false: `Online` in chunks, tail 1 only). -> [out (B, H, M, D) float32, lse (B, H, M) float32], or [] where there is no
 // instance (`Online`: a head dim not in 32, 64, 128; blocks: not a multiple of kW): the caller
 // falls back
 std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::Tensor v,
@@ -648,8 +648,8 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
                 "lens must be a contiguous int32 (B,) tensor");
     lp = lens->data_ptr<int32_t>();
   }
-  // a verify, or more queries than one decode instance holds: blocks of keys for all of them
-  blocks = blocks && (tail > 1 || M > 8);
+  // blocks (the caller's choice, sparse_decode_cpu.attend_runs_cpu: a verify, more queries than
+  // one decode instance holds, or a long context): blocks of keys for all M queries
   if (blocks ? D % kW != 0 : !with_shape(1, D, [](auto, auto) {})) return {};
   // the block kernel's passes: at most kMaxMV vectors of queries each, as even as lanes allow
   const int64_t passes = (M + kMaxMV * kW - 1) / (kMaxMV * kW);
@@ -697,7 +697,7 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the interface's version, bumped with a signature: sparse_decode_cpu.cpu_kernel refuses a
   // build of another one (torch's build cache is named by the kernel, not by its source)
-  m.attr("version") = 2;
+  m.attr("version") = 3;
   m.def("sparse_decode", &sparse_decode, "block-sparse decode attention over a paged pool");
   m.def("select_pages", &select_pages, "page selection over centroid or Quest scores");
   m.def("attend_runs", &attend_runs, "dense decode and verify attention over contiguous runs");

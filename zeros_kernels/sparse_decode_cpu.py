@@ -55,8 +55,16 @@ SPARSE_CHUNK_BYTES = 1 << 19
 BLOCKS = True
 
 
+# a decode step (tail 1, at most 8 queries a KV head) reads keys in blocks too from this many keys
+# of a lane on: the one-pass kernel (`Online`) takes a horizontal sum a key and query, and on an
+# AVX2 CPU (AMD EPYC) the blocks ran 3x faster per step at 512 to 4,096 keys and head dims 32 and
+# 64 (`python -m bench verifycost`'s decode row). Shorter lanes keep the one-pass kernel: the
+# default's contexts (under 150 tokens) and their figures are unchanged
+DECODE_BLOCKS_FROM = 512
+
+
 # sparse_decode_cpu.cpp's interface version (its `version`), which cpu_kernel checks
-KERNEL_VERSION = 2
+KERNEL_VERSION = 3
 
 
 # the stored score of a page that was not full when scored (the C++ kernel's kUnscored): it is read
@@ -170,8 +178,8 @@ def attend_runs_cpu(q, k, v, lens=None, scale=None, tail=1):
     tail = T > 1: a speculative verify, M = G * T queries ordered g * T + i (token i), the last T
     of a row's keys its new tokens, which query i sees up to its own (attend_runs_ref).
     -> (out (B, H_kv, M, D) float32, lse (B, H_kv, M) float32), a query with no key giving zeros
-    and -inf. Up to 8 queries: one pass with them in registers; a verify or more: blocks of keys
-    for all of them (BLOCKS). None without the kernel or where it has no instance (decode: D not
+    and -inf. Up to 8 queries over fewer than DECODE_BLOCKS_FROM keys: one pass with them in
+    registers; a verify, more queries or a longer lane: blocks of keys for all of them (BLOCKS). None without the kernel or where it has no instance (decode: D not
     in 32, 64, 128; blocks: D not a multiple of the vector width, 8 or 16 floats): the caller
     runs SDPA, or for a verify its two-part path."""
     ext = cpu_kernel()
@@ -180,8 +188,9 @@ def attend_runs_cpu(q, k, v, lens=None, scale=None, tail=1):
             or k.dtype != v.dtype or (tail > 1 and not BLOCKS)):
         return None
     lens = None if lens is None else lens.int().contiguous()
+    blocks = BLOCKS and (tail > 1 or q.shape[2] > 8 or k.shape[2] >= DECODE_BLOCKS_FROM)
     res = ext.attend_runs(q.float().contiguous(), k, v, lens, D ** -0.5 if scale is None else scale,
-                          tail, BLOCKS)
+                          tail, blocks)
     return tuple(res) if res else None
 
 
