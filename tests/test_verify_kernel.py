@@ -143,7 +143,7 @@ def test_a_build_of_another_version_is_refused(monkeypatch):
 @pytest.mark.parametrize("D", [32, 64, 128])
 def test_a_long_decode_lane_reads_keys_in_blocks_and_equals_the_reference(kernel, D, monkeypatch):
     """A decode step (tail 1, G queries) over a lane of DECODE_BLOCKS_FROM keys or more takes the
-    block kernel (three times faster on AVX2 at head dims 32 and 64), a shorter one the one-pass
+    block kernel (about three times faster on AVX2 at head dim 32), a shorter one the one-pass
     kernel; both within 1e-5 of attend_runs_ref, rows of ragged lengths."""
     ext, seen = cpu_path.cpu_kernel(), []
     spy = SimpleNamespace(version=ext.version, attend_runs=lambda *a: seen.append(a[-1])
