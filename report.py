@@ -555,7 +555,7 @@ STAGES = {
         "eval_per_bin eval_k_per_bin",
     "warm start (the tiny model's SFT)": "sft_steps sft_batch sft_lr sft_loss sft_noise sft_slip "
         "sft_max_lines sft_difficulty sft_init sft_seed",
-    "1 signal (which prompts)": "prompts_per_step sampler zone explore dynamic_sampling "
+    "1 signal (which prompts)": "prompts_per_step sampler zone zone_prior explore dynamic_sampling "
         "refill_tries min_spread",
     "2 rollout (sparse KV, speculative decoding, DistillSparse)": "group_size max_new_tokens "
         "temperature top_p stop page_size kv_dtype kv_pool_tokens kv_budget kv_bin_pages kv_scorer kv_rescore_every "
