@@ -292,7 +292,7 @@ class GrowthZoneSampler:
         if sd["n_problems"] != len(self.problems):
             raise ValueError(f"sampler state is for {sd['n_problems']} problems, "
                              f"this pool has {len(self.problems)}")
-        if self.rates.bs.shape != tuple(sd.get("bs", torch.zeros(0)).shape):
+        if self.rates.bs.shape != tuple(sd.get("bs", torch.zeros(0)).shape):  # bins' counts
             raise ValueError("sampler state has another number of difficulty bins than this run "
                              "(config key zone_prior changed?); a run cannot switch on resume")
         self.seed, self.step, self._stats = int(sd["seed"]), int(sd["step"]), dict(sd["stats"])
@@ -300,8 +300,9 @@ class GrowthZoneSampler:
         self.rates.s, self.rates.f = (sd["s"].numpy().astype(np.float64),
                                       sd["f"].numpy().astype(np.float64))
         self.rates.visits = sd["visits"].numpy().astype(np.int64)
-        self.rates.bs = sd["bs"].numpy().astype(np.float64) if "bs" in sd else self.rates.bs
-        self.rates.bf = sd["bf"].numpy().astype(np.float64) if "bf" in sd else self.rates.bf
+        none = torch.zeros(0)  # a state from before the pooled prior: no bins, as checked above
+        self.rates.bs, self.rates.bf = (sd.get(k, none).numpy().astype(np.float64)
+                                        for k in ("bs", "bf"))
         self.last_pick = sd["last_pick"].numpy().astype(np.int64)
 
 

@@ -9,8 +9,9 @@ of 8 queries and attended to the new tokens apart (kvcache.PagedKVCache._verify_
     python -m bench verifycost --quick    # 1k tokens, the bench model's heads only (seconds)
 
 Per cached context (1k, 2k, 4k tokens; 8 rows, k = 8, 1 thread): the attention of a dense decode
-step and of a verify, before (the two-part path: BLOCKS off) and after, summed over the layers;
-each as ms and as a multiple of the decode step's.
+step (in the same key blocks from sparse_decode_cpu.DECODE_BLOCKS_FROM keys a lane: all of these
+contexts) and of a verify, before (the two-part path: BLOCKS off) and after, summed over the
+layers; each as ms and as a multiple of the decode step's.
 
 Simplifications:
     1. No model: a one-call lanes cache (kvcache.PagedKVCache, pages of 16, fp32: the CPU's KV

@@ -5,10 +5,11 @@ first use, cached by torch), and how to do without them.
     ext = load_cpu_ext("sparse_decode_cpu")   # zeros_kernels/sparse_decode_cpu.cpp, built, or None
     prefetch_cpu_ext("sparse_decode_cpu")     # the same build, started in a background thread
 
-The first build of a kernel compiles torch's headers: one to two minutes of one core on a fresh
-machine. train.py starts every kernel's build in a background thread (prefetch_cpu_ext) before
-the warm start trains, so that on a first run the compile overlaps SFT; the first load_cpu_ext
-of a kernel whose build is under way waits for it.
+The first build of a kernel compiles torch's headers: one to three minutes of one core on a fresh
+machine. train.py starts the decode kernel's build (the one every CPU run uses) in a background
+thread before the warm start trains, so that on a first run the compile overlaps SFT; the first
+load_cpu_ext of a kernel whose build is under way waits for it. linear_cpu builds on first use,
+where it runs (AVX-512 and a model of hidden size 256 or more).
 
 Each kernel is a fast path with a PyTorch reference beside it (tests check that the two agree), so
 a machine without a C++ compiler or ninja runs the reference and says so once, in a warning.
@@ -47,7 +48,6 @@ def clear_stale_lock(name, minutes=10):
 
 # every kernel's build, started or done: {name: a Future of the module (or None)}
 _BUILDS, _LOCK = {}, threading.Lock()
-KERNELS = ("sparse_decode_cpu", "linear_cpu")  # the .cpp files of zeros_kernels/
 
 
 def load_cpu_ext(name):
@@ -58,10 +58,10 @@ def load_cpu_ext(name):
 
 
 def prefetch_cpu_ext(*names):
-    """Start building each kernel (default: every one) in a background thread and return at once;
-    nothing happens for one already built or under way, or with ZEROS_CPU_KERNEL=0."""
+    """Start building each named kernel in a background thread and return at once; nothing
+    happens for one already built or under way, or with ZEROS_CPU_KERNEL=0."""
     if os.environ.get("ZEROS_CPU_KERNEL", "1") != "0":
-        for name in names or KERNELS:
+        for name in names:
             _build(name, wait=False)
 
 
