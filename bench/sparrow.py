@@ -478,7 +478,26 @@ def table(results, runs, pred, cfg, seeds, cmd, config=CONFIG):
             f"(assets/sparrow{family(config)}_predict.png):", "",
             "| predictor | rho | runs |", "|---|---|---|"]
     corr += [f"| {label} | {rho:+.2f} | {len(xy)} |" for label, rho, xy in pred]
-    return head + rows + corr + at_scale(results, cfg)
+    return head + rows + dense_gain(runs.get("(a) dense", [])) + corr + at_scale(results, cfg)
+
+
+def dense_gain(dense_runs):
+    """Does dense RL move held-out accuracy enough that a sparse arm's gap can be measured? Its
+    gain (end minus start, per run) against the runs' sample standard deviation of that gain: a
+    family is fit to judge the sparse arms when the mean gain is at least 3 of those sds."""
+    gains = [r["acc"] - r["acc0"] for r in dense_runs]
+    if not gains:
+        return []
+    m, sd = spread(gains)
+    ratio = m / sd if sd > 0 else float("nan")
+    verdict = ("at least 3 of its sds: a sparse arm's gap is measurable here" if ratio >= 3 else
+               "under 3 of its sds: this family cannot judge a sparse arm against dense yet")
+    return ["", f"Dense RL's held-out gain, end minus start per run: {m:+.3f} ± {sd:.3f} over "
+            f"{len(gains)} run(s) ({', '.join(f'{g:+.3f}' for g in gains)}); the mean gain is "
+            f"{ratio:.1f} sds, {verdict}." if len(gains) > 1 else
+            f"Dense RL's held-out gain: {m:+.3f} on one run (no spread over seeds yet)" + (
+                "." if m > 0 else ": dense RL does not move held-out accuracy here, so this "
+                "family cannot judge a sparse arm against dense.")]
 
 
 def winner(results):

@@ -241,3 +241,15 @@ def test_sparrow_carries_to_scale_only_an_arm_that_trains_like_dense():
     assert sparrow.winner(results) == "(d) TV-held"
     results["(d) TV-held"], results["(e) TV-held"] = arm(0.50, 0.38, 1.05), arm(0.55, 0.40, 1.0)
     assert sparrow.winner(results) == "(e) TV-held"  # none within both: the most accurate that trains
+
+
+def test_sparrow_dense_gain_counts_the_gain_in_its_own_sds():
+    from bench import sparrow
+    runs = lambda *pairs: [{"acc0": a, "acc": b} for a, b in pairs]
+    line = sparrow.dense_gain(runs((0.5, 0.8), (0.6, 0.8), (0.5, 0.75)))[-1]
+    # gains 0.30, 0.20, 0.25: mean 0.25, sd 0.05, 5.0 sds
+    assert "+0.250 ± 0.050 over 3 run(s)" in line and "5.0 sds, at least 3" in line
+    line = sparrow.dense_gain(runs((0.5, 0.8), (0.6, 0.6), (0.5, 0.75)))[-1]
+    assert "under 3 of its sds" in line  # gains 0.30, 0.00, 0.25: 1.5 sds
+    assert "does not move" in sparrow.dense_gain(runs((0.656, 0.625)))[-1]
+    assert sparrow.dense_gain([]) == []
