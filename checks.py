@@ -68,8 +68,9 @@ def check(cfg, typed=()):
         v = getattr(cfg, k)
         if v and (len(v) != 2 or not 1 <= v[0] <= v[1]):
             raise bad(k, "empty or a range (lo, hi) with 1 <= lo <= hi")
-    if cfg.sft_slip and cfg.order not in ("marked", "lagged"):
-        raise bad("sft_slip", "0 unless order is 'marked' or 'lagged'")
+    if cfg.sft_slip and cfg.order not in ("marked", "lagged") and not cfg.task.endswith(
+            ":string_splitting"):
+        raise bad("sft_slip", "0 unless order is 'marked' or 'lagged' or the task string_splitting")
     if cfg.sft_noise and cfg.order == "lagged":  # its traces have no second ending to confuse
         raise bad("sft_noise", "0 for order 'lagged'")
     if not 0 < cfg.kv_quantile < 1:

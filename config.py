@@ -108,10 +108,11 @@ class Config:
     sft_loss: float = 0.0
     # fraction of teacher traces that end with the wrong convention (warmstart.py)
     sft_noise: float = 0.0
-    # order "marked" only: the chance that the teacher, on a step whose running sum crosses 10,
-    # adds the carry into the units digit ((s + v + 1) % 10) and carries on from its own wrong
-    # total: a slip that comes with the input, more often the longer the chain (warmstart.py);
-    # order "lagged": the chance of its rarer slip (tasks.lagged_trace)
+    # order "marked": the chance that the teacher, on a step whose running sum crosses 10, adds
+    # the carry into the units digit ((s + v + 1) % 10) and carries on from its own wrong total: a
+    # slip that comes with the input, more often the longer the chain (warmstart.py); order
+    # "lagged": the chance of its rarer slip (tasks.lagged_trace); string_splitting: the chance
+    # that it drops the carry of Z from 9 to 10 (warmstart.string_splitting_trace)
     sft_slip: float = 0.0
     # order "lagged", string_splitting: SFT trains on at most this many lines of a trace (a prefix,
     # with no end); 0 = whole traces. Short prefixes are cheap, but a model trained on them alone

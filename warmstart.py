@@ -30,8 +30,9 @@ What it does:
 
 Simplifications:
     1. The teacher is the task's reference trace, with an optional planted error (sft_noise, see
-       teacher_trace) or, on order "marked", an optional slip at each carry (sft_slip). On
-       reasoning-gym's chain_sum and string_splitting it is exact: every line of its trace holds.
+       teacher_trace) or, on order "marked", "lagged" and string_splitting, an optional slip at one
+       kind of step (sft_slip). On reasoning-gym's chain_sum it is exact: every line of its trace
+       holds; on string_splitting too, unless sft_slip is set.
     2. The SFT loop is plain: one AdamW, warmup then cosine over sft_steps, no packing, no
        evaluation. With sft_loss it stops at that loss (the mean of the last SFT_WINDOW steps)
        or at sft_steps, whichever comes first, and the entry records which (sft_fit.json).
@@ -111,7 +112,7 @@ def chain_sum_trace(problem):
     return "".join(steps) + f"\n#### {total}"
 
 
-def string_splitting_trace(problem, max_lines=0):
+def string_splitting_trace(problem, max_lines=0, slip=0.0, rng=None):
     """reasoning-gym string_splitting's exact trace, from the item's metadata (its states): one
     line a state, the rule that made it (0 for the start), then the counts of A B C X Y Z, each in
     at least two digits so that a digit sits at the same place on every line; the answer follows
@@ -119,8 +120,13 @@ def string_splitting_trace(problem, max_lines=0):
     "0 03 03 00 00 00 00\n1 02 03 00 02 01 00\n...\n#### 0 1 0 4 0 3". Every line follows from
     the one above it by the first rule that applies (a rule is read off the change it made), so
     past the first line, which reads the prompt's counts, a token needs only the last 20 or so: a
-    long chain of local steps. max_lines > 0: at most that many lines (a prefix, no end)."""
+    long chain of local steps. max_lines > 0: at most that many lines (a prefix, no end).
+    `slip` (the warm start's teacher): each time rule 5 takes Z from 09 to 10, with that chance
+    the teacher drops the carry and writes 00, then carries on from its own wrong state by the
+    rules (splitting_states): a weak learner's slip at one kind of step, which RL can remove."""
     states = problem.meta["entry"]["metadata"]["states"]
+    if slip:
+        states = splitting_states(states[0], slip, rng)
     lines = []
     for prev, now in zip([None] + states[:-1], states):
         rule = 0 if prev is None else _splitting_rule(prev, now)
@@ -130,11 +136,34 @@ def string_splitting_trace(problem, max_lines=0):
     return "\n".join(lines) + "\n#### " + " ".join(map(str, states[-1]))
 
 
+def splitting_states(start, slip=0.0, rng=None):
+    """reasoning-gym string_splitting's states from the counts `start` (A B C X Y Z): the first of
+    the five rules that applies, until a state repeats (none applies); with `slip`, rule 5's carry
+    from Z = 9 to 10 is dropped (Z written 0) with that chance (string_splitting_trace)."""
+    states, s = [list(start)], list(start)
+    while True:
+        a, b, c, x, y, z = s
+        if a >= 1:
+            s = [a - 1, b, c, x + 2, y + 1, z]
+        elif b >= 2:
+            s = [a, b - 2, c, x + 1, y, z]
+        elif c >= 2:
+            s = [a, b, c - 2, x, y + 1, z]
+        elif b >= 1 and c >= 1:
+            s = [a + 1, b - 1, c - 1, x, y, z]
+        elif x >= 1 and y >= 1:
+            s = [a, b, c, x - 1, y - 1, 0 if z == 9 and slip and rng.random() < slip else z + 1]
+        if s in states:
+            return states
+        states.append(s)
+
+
 def _splitting_rule(prev, now):
     """Which of string_splitting's five rules turned the counts prev into now (A B C X Y Z)."""
     delta = tuple(b - a for a, b in zip(prev, now))
     rules = {(-1, 0, 0, 2, 1, 0): 1, (0, -2, 0, 1, 0, 0): 2, (0, 0, -2, 0, 1, 0): 3,
-             (1, -1, -1, 0, 0, 0): 4, (0, 0, 0, -1, -1, 1): 5}
+             (1, -1, -1, 0, 0, 0): 4, (0, 0, 0, -1, -1, 1): 5,
+             (0, 0, 0, -1, -1, -9): 5}  # rule 5 with the carry dropped (the teacher's slip)
     if delta not in rules:
         raise ValueError(f"string_splitting: no rule turns {prev} into {now}")
     return rules[delta]
@@ -148,10 +177,11 @@ def teacher_trace(problem, noise, rng, slip=0.0, max_lines=0):
     of RLVR in practice). `slip` (order "marked"): on each step whose running sum crosses 10, with
     that probability the teacher adds the carry into the units digit and carries on from its own
     wrong total ("7>7,5>3." instead of "7>7,5>2."): a weak learner's slip, which comes with the
-    input and compounds along the chain; order "lagged": see tasks.lagged_trace."""
-    if problem.task == "reasoning_gym":  # config.TEACHER_TASKS: exact traces
+    input and compounds along the chain; order "lagged": see tasks.lagged_trace; string_splitting:
+    see string_splitting_trace."""
+    if problem.task == "reasoning_gym":  # config.TEACHER_TASKS: exact traces (or a planted slip)
         if problem.meta["rg_name"] == "string_splitting":
-            return string_splitting_trace(problem, max_lines)
+            return string_splitting_trace(problem, max_lines, slip, rng)
         return chain_sum_trace(problem)
     if is_lagged(problem.prompt):  # max_lines > 0: at most that many lines (a prefix, no end)
         return lagged_trace(problem.prompt, slip, rng, max_lines)[0]
@@ -194,6 +224,10 @@ def sft_key(cfg):
     if cfg.task != "synthetic":  # a reasoning-gym task: its SFT data (the synthetic key stays)
         key.update(task=cfg.task, rg_prompt=cfg.rg_prompt,
                    rg_kwargs={**cfg.rg_kwargs, **cfg.sft_rg_kwargs})
+    if cfg.sft_init.endswith(".py"):  # a curriculum: its first stage's own key, so that a change
+        # there (its steps, its slip) builds this stage anew instead of reusing a stale cache
+        key.update(sft_init={"config": cfg.sft_init, "key": sft_key(
+            parse_config([cfg.sft_init, f"--seed={sft_seed(cfg)}"]))})
     if cfg.n_expert:  # only MoE keys where they apply: a dense model's cache keeps its key
         key.update(n_expert=cfg.n_expert, n_expert_active=cfg.n_expert_active, moe_ffn=cfg.moe_ffn)
     return json.loads(json.dumps({**key, "sft_difficulty": cfg.sft_difficulty or cfg.difficulty}))

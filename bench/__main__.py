@@ -84,8 +84,9 @@ def main(argv):
                         "configs/splitting.py is the second task family), its own block of "
                         "RESULTS.md")
     p.add_argument("--variants", default="",
-                   help="recipe: the variants to run, comma-separated (default: all of them); the "
-                        "table holds every variant recorded so far")
+                   help="recipe: the variants to run, comma-separated (default: all of them); "
+                        "sparrow: the arms to run, by letter (a,h); the table holds every run "
+                        "recorded so far")
     p.add_argument("--write-results", action="store_true",
                    help="rewrite the section's marked block of bench/RESULTS.md")
     args = p.parse_args(argv)
@@ -94,13 +95,14 @@ def main(argv):
     section = importlib.import_module(f"bench.{args.section}")
     if args.config and args.section != "sparrow":
         p.error("--config is sparrow's")
-    if args.variants and args.section != "recipe":
-        p.error("--variants is recipe's")
+    if args.variants and args.section not in ("recipe", "sparrow"):
+        p.error("--variants is recipe's and sparrow's")
     extra, block = {}, args.section
     if args.section == "recipe":
         extra = {"variants": args.variants, "jobs": args.jobs}
     if args.section == "sparrow":
-        extra = {"jobs": args.jobs, **({"config": args.config} if args.config else {})}
+        extra = {"jobs": args.jobs, "variants": args.variants,
+                 **({"config": args.config} if args.config else {})}
         block += section.family(args.config or section.CONFIG)
     out = Tee(sys.stdout)
     with contextlib.redirect_stdout(out):

@@ -361,6 +361,62 @@ def test_a_string_splitting_prefix_has_its_first_lines_and_no_end():
         parse_config(["--task=reasoning_gym:chain_sum", "--sft_max_lines=2"])
 
 
+def test_the_string_splitting_slip_drops_z_carry_and_carries_on_by_the_rules(cascade):
+    """sft_slip on string_splitting: with slip 0 the teacher's own states are the library's; with
+    slip 1 every step that takes Z from 09 to 10 writes 00 instead, every other line is the one
+    above it under the library's rule, and the answer scores below 1; a trace whose Z never reaches
+    10 is unchanged. Dropping the carry anywhere else, or not carrying on by the
+    rules, fails here."""
+    import random
+    from warmstart import splitting_states, string_splitting_trace
+    kw = {"min_initial_machines": 12, "max_initial_machines": 25}
+    ps = make_reasoning_gym("string_splitting", 8, seed=3, kwargs=kw, prompt="last_paragraph")
+    gen = rg.create_dataset("string_splitting", size=1, seed=0, **kw)
+    slipped = 0
+    for p in ps:
+        states = p.meta["entry"]["metadata"]["states"]
+        assert splitting_states(states[0]) == states
+        trace = string_splitting_trace(p, slip=1.0, rng=random.Random(0))
+        assert teacher_trace(p, 0.0, random.Random(0), slip=1.0) == trace
+        body, _, answer = trace.partition("\n#### ")
+        rows = [[int(v) for v in line.split()][1:] for line in body.split("\n")]
+        carried = any(a[5] == 9 and b[5] == 10 for a, b in zip(states, states[1:]))
+        if not carried:
+            assert trace == string_splitting_trace(p)
+            continue
+        slipped += 1
+        drops = [i for i, (a, b) in enumerate(zip(rows, rows[1:])) if a[5] == 9 and b[5] == 0]
+        assert drops and rows[:drops[0] + 1] == states[:drops[0] + 1]
+        for i, (prev, now) in enumerate(zip(rows, rows[1:])):  # the rules, but at each drop
+            want = gen._apply_rule(prev[:])
+            assert now == (want[:5] + [0] if i in drops else want)
+            assert i in drops or not (prev[5] == 9 and want[5] == 10)  # slip 1: every carry
+        assert gen._apply_rule(rows[-1][:]) == rows[-1] and not any(r[5] >= 10 for r in rows)
+        assert answer != p.answer
+        assert cascade.score_batch([p], [trace]).rewards[0] < 1.0
+    assert slipped >= 4
+    assert parse_config(["configs/splitting.py", "--sft_slip=0.5"]).sft_slip == 0.5
+    with pytest.raises(ValueError, match="sft_slip"):
+        parse_config(["--task=reasoning_gym:chain_sum", "--sft_slip=0.5"])
+
+
+def test_a_curriculum_stage_is_keyed_by_its_first_stage_too(tmp_path):
+    """configs/splitting.py starts from configs/splitting_copy.py's warm start, which starts from
+    configs/splitting_base.py's: a change in an earlier stage (its slip, its steps) is a new key for
+    every later stage, not a stale cache. Keying on the earlier stage's file name alone fails here."""
+    base = open(os.path.join(ROOT, "configs", "splitting_base.py")).read()
+    copy = open(os.path.join(ROOT, "configs", "splitting_copy.py")).read()
+    (tmp_path / "base.py").write_text(base)
+    (tmp_path / "copy.py").write_text(copy.replace("configs/splitting_base.py", str(tmp_path / "base.py")))
+    last = [os.path.join(ROOT, "configs", "splitting.py"), f"--sft_init={tmp_path / 'copy.py'}"]
+    before = sft_key(parse_config(last))
+    assert before["sft_init"]["key"]["sft_init"]["key"]["sft_steps"] == parse_config(
+        [str(tmp_path / "base.py")]).sft_steps
+    (tmp_path / "base.py").write_text(base + "\nsft_steps = 7\n")
+    assert sft_key(parse_config(last)) != before
+    assert sft_key(parse_config(last + ["--lr=1e-3"])) == sft_key(parse_config(last))  # RL keys
+
+
 def test_a_transition_no_rule_makes_is_refused():
     from warmstart import _splitting_rule
     assert _splitting_rule([3, 3, 0, 0, 0, 0], [2, 3, 0, 2, 1, 0]) == 1
