@@ -67,6 +67,10 @@ VARIANTS = {
     "t1.3": ("rollout temperature 1.3", ["--temperature=1.3"]),
     "steps200": ("twice the steps", ["--steps=200"]),
     "clip0.2": ("no clip-higher (clip_high = clip_low = 0.2)", ["--clip_high=0.2"]),
+    # one optimizer step a batch leaves the ratio at 1 and the clip idle (update.py's
+    # simplification 1): these take 4 steps a batch, on the same rollouts and compute
+    "mb4": ("4 optimizer steps a batch (minibatches 4): the clip binds", ["--minibatches=4"]),
+    "mb4-clip0.2": ("minibatches 4, no clip-higher", ["--minibatches=4", "--clip_high=0.2"]),
     "drgrpo": ("Dr. GRPO: advantages not divided by the group's std", ["--adv_norm=none"]),
     "uniform": ("uniform prompt sampling, not the growth zone", ["--sampler=uniform"]),
     "pooled-prior": ("each prompt's prior: its number of terms' pooled pass rate",

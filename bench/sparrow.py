@@ -342,14 +342,8 @@ def run(quick, cmd, jobs=1, config=CONFIG, variants=""):
         records = records if quick else records_for(family_runs, ws)
     os.makedirs(records, exist_ok=True)
     plan = plan_runs(args, seeds, records, root, tag)
-    letters = {v.strip().strip("()") for v in variants.split(",") if v.strip()}
-    unknown = letters - {name[1] for name in arms(FIXED)}
-    if unknown:
-        raise ValueError(f"bench sparrow: no arm {', '.join(sorted(unknown))}; the arms are "
-                         f"{', '.join(name[1] for name in arms(FIXED))}")
-    missing = [p for p in plan if recorded(p[2], p[3]) is None
-               and (not letters or p[0][1] in letters)]
-    todo = missing if jobs else []
+    missing = [p for p in plan if recorded(p[2], p[3]) is None]
+    todo = chosen(missing, variants) if jobs else []
     print(f"{len(plan) - len(missing)} of {len(plan)} runs recorded in {os.path.relpath(records)}; "
           f"running {len(todo)}, {jobs} at a time (each one's log beside its record)", flush=True)
     try:
@@ -395,6 +389,16 @@ def run(quick, cmd, jobs=1, config=CONFIG, variants=""):
     reps = {label: sorted({seed for by in by_seed.values() for (lab, seed) in by if lab == label})
             for _, label in sets}
     return table(results, runs, pred, cfg, reps, cmd, config)
+
+
+def chosen(plan, variants):
+    """The runs of plan whose arm's letter is among variants ("a,h" or "(a),(h)"; "": all)."""
+    letters = {v.strip().strip("()") for v in variants.split(",") if v.strip()}
+    unknown = letters - {name[1] for name in arms(FIXED)}
+    if unknown:
+        raise ValueError(f"bench sparrow: no arm {', '.join(sorted(unknown))}; the arms are "
+                         f"{', '.join(name[1] for name in arms(FIXED))}")
+    return [p for p in plan if not letters or p[0][1] in letters]
 
 
 def warmstart_id(cfg, root):

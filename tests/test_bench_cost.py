@@ -253,3 +253,12 @@ def test_sparrow_dense_gain_counts_the_gain_in_its_own_sds():
     assert "under 3 of its sds" in line  # gains 0.30, 0.00, 0.25: 1.5 sds
     assert "does not move" in sparrow.dense_gain(runs((0.656, 0.625)))[-1]
     assert sparrow.dense_gain([]) == []
+
+
+def test_sparrow_variants_pick_arms_by_letter():
+    from bench import sparrow
+    plan = sparrow.plan_runs(["configs/lagged.py"], (0, 1), "/tmp/r", "/tmp/o")
+    assert {p[0][1] for p in sparrow.chosen(plan, "a,h")} == {"a", "h"}
+    assert len(sparrow.chosen(plan, "(a)")) == 2 and sparrow.chosen(plan, "") == plan
+    with pytest.raises(ValueError, match="no arm z"):
+        sparrow.chosen(plan, "a,z")
