@@ -229,6 +229,8 @@ class Config:
     # models, unpacked, not under FSDP), its keys and values shared by the rows; false: each row
     # runs its prompt
     share_prompt: bool = True
+    # the ratio's clip (clip-higher: clip_high > clip_low). It binds only past a batch's first
+    # optimizer step (passes or minibatches > 1): at the first the ratio is 1 at every token
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0

@@ -511,3 +511,33 @@ def test_a_build_that_raises_reaches_its_waiters(monkeypatch):
         cpu_ext.load_cpu_ext("k")
     with pytest.raises(ZeroDivisionError):  # the same failure again, not a hang
         cpu_ext.load_cpu_ext("k")
+
+
+def test_a_load_waits_for_a_held_build_lock_until_it_goes_or_goes_stale(tmp_path, monkeypatch):
+    """wait_for_lock: a lock another process holds is waited for (and said), it returns once the
+    lock is gone; a lock that turns stale while it waits is removed, so no load waits forever
+    (torch's own wait had no end: processes that came while a killed build's lock was young hung)."""
+    import threading
+    import time
+    import warnings
+    from zeros_kernels.cpu_ext import wait_for_lock
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "zeros_test_ext" / "lock"
+    lock.parent.mkdir()
+    wait_for_lock("zeros_test_ext", poll_s=0.01, log=pytest.fail)  # no lock: at once, no word
+    lock.write_text("")
+    said = []
+    threading.Timer(0.2, lock.unlink).start()  # the holder finishes
+    t0 = time.time()
+    wait_for_lock("zeros_test_ext", poll_s=0.01, log=said.append)
+    assert 0.15 < time.time() - t0 < 5 and not lock.exists() and "waiting for the build" in said[0]
+    lock.write_text("")
+
+    def age():  # the holder was killed: its lock only ages
+        old = time.time() - 3600
+        os.utime(lock, (old, old))
+    threading.Timer(0.2, age).start()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        wait_for_lock("zeros_test_ext", poll_s=0.01, log=said.append)
+    assert not lock.exists() and "stale build lock" in str(w[-1].message)

@@ -46,6 +46,21 @@ def clear_stale_lock(name, minutes=10):
     return True
 
 
+def wait_for_lock(name, minutes=10, poll_s=1.0, log=print):
+    """Wait while another process holds the build's lock (it is building the same kernel), up to
+    the lock's `minutes` of age: then it is stale (clear_stale_lock) and removed. torch's own wait
+    has no end, so a process that came while a killed build's lock was still young used to wait
+    forever; here it waits at most until the lock turns stale, and says why it waits."""
+    from torch.utils.cpp_extension import _get_build_directory
+    lock, said = os.path.join(_get_build_directory(name, verbose=False), "lock"), False
+    while os.path.exists(lock) and not clear_stale_lock(name, minutes):
+        if not said:
+            log(f"waiting for the build of {name} that another process holds ({lock}; removed "
+                f"as stale once it is {minutes} minutes old)")
+            said = True
+        time.sleep(poll_s)
+
+
 # every kernel's build, started or done: {name: a Future of the module (or None)}
 _BUILDS, _LOCK = {}, threading.Lock()
 
@@ -97,10 +112,12 @@ def _compile(name):
     try:
         from torch.utils.cpp_extension import load  # lazy: it pulls in the build tooling
         src = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.cpp")
-        with open(src, "rb") as f:  # the source's hash in the name: two checkouts (or versions)
-            tag = hashlib.sha1(f.read()).hexdigest()[:10]  # never load each other's build
+        with open(src, "rb") as f:  # the source and its path in the name: two versions never load
+            # each other's build, and two checkouts never rebuild each other's (the build file
+            # names the source's path, so a folder shared by two paths would rebuild at each load)
+            tag = hashlib.sha1(f.read() + src.encode()).hexdigest()[:10]
         build = f"zeros_{name}_{isa.lower()}_{tag}"
-        clear_stale_lock(build)
+        wait_for_lock(build)
         return load(build, [src], extra_cflags=flags)
     except Exception as e:  # no compiler or no ninja: the PyTorch path instead
         warnings.warn(f"the C++ kernel {name} did not build ({e}); using the PyTorch path")
