@@ -451,7 +451,9 @@ def test_warm_start_curriculum_from_another_config(tmp_path, monkeypatch):
     inner_cfg = config.parse_config([str(inner)])
     assert os.path.exists(os.path.join(cache_path(inner_cfg), "model.safetensors"))
     key = json.load(open(os.path.join(cache_path(config.parse_config(run)), "sft_key.json")))
-    assert key["sft_init"] == str(inner) and key["sft_difficulty"] == [1, 3]
+    # the chain: the first stage's file and its own key (a change there is a new key here)
+    assert key["sft_init"]["config"] == str(inner) and key["sft_init"]["key"]["sft_steps"] == 2
+    assert key["sft_difficulty"] == [1, 3]
     # another shape is refused
     with pytest.raises(ValueError, match=r"sft_init.*hidden_size 32 \(want 64\)"):
         train.main(TINY_RUN + ["--steps=1", f"--sft_init={inner}", "--n_embd=64", "--n_head=2",
