@@ -136,34 +136,32 @@ def string_splitting_trace(problem, max_lines=0, slip=0.0, rng=None):
     return "\n".join(lines) + "\n#### " + " ".join(map(str, states[-1]))
 
 
+# string_splitting's five rules in order, each the change it makes to the counts A B C X Y Z: A ->
+# 2X + Y, 2B -> X, 2C -> Y, B + C -> A, X + Y -> Z. A rule applies where no count goes below 0
+SPLITTING_RULES = ((-1, 0, 0, 2, 1, 0), (0, -2, 0, 1, 0, 0), (0, 0, -2, 0, 1, 0),
+                   (1, -1, -1, 0, 0, 0), (0, 0, 0, -1, -1, 1))
+SLIPPED = (0, 0, 0, -1, -1, -9)  # rule 5 with Z's carry from 9 to 10 dropped (the teacher's slip)
+
+
 def splitting_states(start, slip=0.0, rng=None):
     """reasoning-gym string_splitting's states from the counts `start` (A B C X Y Z): the first of
-    the five rules that applies, until a state repeats (none applies); with `slip`, rule 5's carry
-    from Z = 9 to 10 is dropped (Z written 0) with that chance (string_splitting_trace)."""
-    states, s = [list(start)], list(start)
+    the rules that applies, until none does; with `slip`, rule 5's carry from Z = 9 to 10 is
+    dropped (Z written 0) with that chance (string_splitting_trace)."""
+    states = [list(start)]
     while True:
-        a, b, c, x, y, z = s
-        if a >= 1:
-            s = [a - 1, b, c, x + 2, y + 1, z]
-        elif b >= 2:
-            s = [a, b - 2, c, x + 1, y, z]
-        elif c >= 2:
-            s = [a, b, c - 2, x, y + 1, z]
-        elif b >= 1 and c >= 1:
-            s = [a + 1, b - 1, c - 1, x, y, z]
-        elif x >= 1 and y >= 1:
-            s = [a, b, c, x - 1, y - 1, 0 if z == 9 and slip and rng.random() < slip else z + 1]
-        if s in states:
+        s = states[-1]
+        rule = next((d for d in SPLITTING_RULES if all(v + dv >= 0 for v, dv in zip(s, d))), None)
+        if rule is None:
             return states
-        states.append(s)
+        if rule == SPLITTING_RULES[4] and s[5] == 9 and slip and rng.random() < slip:
+            rule = SLIPPED
+        states.append([v + dv for v, dv in zip(s, rule)])
 
 
 def _splitting_rule(prev, now):
     """Which of string_splitting's five rules turned the counts prev into now (A B C X Y Z)."""
     delta = tuple(b - a for a, b in zip(prev, now))
-    rules = {(-1, 0, 0, 2, 1, 0): 1, (0, -2, 0, 1, 0, 0): 2, (0, 0, -2, 0, 1, 0): 3,
-             (1, -1, -1, 0, 0, 0): 4, (0, 0, 0, -1, -1, 1): 5,
-             (0, 0, 0, -1, -1, -9): 5}  # rule 5 with the carry dropped (the teacher's slip)
+    rules = {d: i + 1 for i, d in enumerate(SPLITTING_RULES)} | {SLIPPED: 5}
     if delta not in rules:
         raise ValueError(f"string_splitting: no rule turns {prev} into {now}")
     return rules[delta]
@@ -209,6 +207,11 @@ def sft_target(tok, problem, cfg, rng):
     return tok.encode(trace, add_special_tokens=False) + end
 
 
+def first_stage(cfg):
+    """A curriculum's first stage: the config file sft_init names, at this warm start's seed."""
+    return parse_config([cfg.sft_init, f"--seed={sft_seed(cfg)}"])
+
+
 def sft_key(cfg):
     """Everything that shapes the warm start, and nothing else: the cache's key."""
     key = {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head", "n_kv_head", "ffn",
@@ -226,8 +229,7 @@ def sft_key(cfg):
                    rg_kwargs={**cfg.rg_kwargs, **cfg.sft_rg_kwargs})
     if cfg.sft_init.endswith(".py"):  # a curriculum: its first stage's own key, so that a change
         # there (its steps, its slip) builds this stage anew instead of reusing a stale cache
-        key.update(sft_init={"config": cfg.sft_init, "key": sft_key(
-            parse_config([cfg.sft_init, f"--seed={sft_seed(cfg)}"]))})
+        key.update(sft_init={"config": cfg.sft_init, "key": sft_key(first_stage(cfg))})
     if cfg.n_expert:  # only MoE keys where they apply: a dense model's cache keeps its key
         key.update(n_expert=cfg.n_expert, n_expert_active=cfg.n_expert_active, moe_ffn=cfg.moe_ffn)
     return json.loads(json.dumps({**key, "sft_difficulty": cfg.sft_difficulty or cfg.difficulty}))
@@ -306,7 +308,7 @@ def warm_start(cfg, tok, dev, log, rank=0):
     torch.manual_seed(sft_seed(cfg))
     if cfg.sft_init.endswith(".py"):
         # a curriculum: that config's warm start (built or cached) first, then this SFT
-        model = warm_start(parse_config([cfg.sft_init, f"--seed={sft_seed(cfg)}"]), tok, dev, log,
+        model = warm_start(first_stage(cfg), tok, dev, log,
                            rank)
     elif cfg.sft_init:  # or any checkpoint of the same tokenizer
         model = Transformer.from_pretrained(cfg.sft_init, device=dev)

@@ -502,15 +502,17 @@ def dense_gain(dense_runs):
     if not gains:
         return []
     m, sd = spread(gains)
+    if len(gains) == 1:
+        line = f"Dense RL's held-out gain: {m:+.3f} on one run (no spread over seeds yet)" + (
+            "." if m > 0 else ": dense RL does not move held-out accuracy here, so this family "
+            "cannot judge a sparse arm against dense.")
+        return ["", line]
     ratio = m / sd if sd > 0 else float("nan")
     verdict = ("at least 3 of its sds: a sparse arm's gap is measurable here" if ratio >= 3 else
                "under 3 of its sds: this family cannot judge a sparse arm against dense yet")
     return ["", f"Dense RL's held-out gain, end minus start per run: {m:+.3f} ± {sd:.3f} over "
             f"{len(gains)} run(s) ({', '.join(f'{g:+.3f}' for g in gains)}); the mean gain is "
-            f"{ratio:.1f} sds, {verdict}." if len(gains) > 1 else
-            f"Dense RL's held-out gain: {m:+.3f} on one run (no spread over seeds yet)" + (
-                "." if m > 0 else ": dense RL does not move held-out accuracy here, so this "
-                "family cannot judge a sparse arm against dense.")]
+            f"{ratio:.1f} sds, {verdict}."]
 
 
 def winner(results):

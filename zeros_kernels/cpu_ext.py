@@ -30,12 +30,17 @@ import torch
 _MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
 
 
+def lock_path(name):
+    """The lock file torch takes in a build's folder while it builds."""
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own path for the build
+    return os.path.join(_get_build_directory(name, verbose=False), "lock")
+
+
 def clear_stale_lock(name, minutes=10):
     """torch guards a build with a lock file in its build folder; a process killed while it built
     leaves the file behind, and every later load then waits on it forever, silently. A lock older
     than any build (`minutes`) is removed, with a warning. -> whether one was."""
-    from torch.utils.cpp_extension import _get_build_directory  # torch's own path for the build
-    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    lock = lock_path(name)
     try:
         if time.time() - os.path.getmtime(lock) < minutes * 60:
             return False
@@ -51,8 +56,7 @@ def wait_for_lock(name, minutes=10, poll_s=1.0, log=print):
     the lock's `minutes` of age: then it is stale (clear_stale_lock) and removed. torch's own wait
     has no end, so a process that came while a killed build's lock was still young used to wait
     forever; here it waits at most until the lock turns stale, and says why it waits."""
-    from torch.utils.cpp_extension import _get_build_directory
-    lock, said = os.path.join(_get_build_directory(name, verbose=False), "lock"), False
+    lock, said = lock_path(name), False
     while os.path.exists(lock) and not clear_stale_lock(name, minutes):
         if not said:
             log(f"waiting for the build of {name} that another process holds ({lock}; removed "
