@@ -132,7 +132,7 @@ class Config:
     top_p: float = 1.0
     stop: str = ""  # a stop string (besides EOS); empty = none
     page_size: int = 16  # KV-cache page, in tokens
-    decode_step: str = "auto"  # auto | eager | compile (no gain on a CPU) | graph (CUDA)
+    decode_step: str = "auto"  # auto | eager | fused (CPU, C++ layers) | compile | graph (CUDA)
     # the KV cache's dtype: auto | float32 | bfloat16; auto is bfloat16 on CUDA (half of fp32's
     # bytes, and the kernel's tensor-core path) and the rollout model's weight dtype elsewhere
     kv_dtype: str = "auto"

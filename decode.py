@@ -12,6 +12,7 @@ steps of lossless sparse rollout.
     ro = eng.finish(call)
 
     Engine(step="eager")     # the reference: the step's forward as plain PyTorch
+    Engine(step="fused")     # CPU: each layer's work outside attention in two C++ calls
     Engine(step="compile")   # torch.compile of the forward, per bucket (compile time in timings)
     Engine(step="graph")     # CUDA: the forward captured per bucket, replayed (capture time too)
     python -m pytest tests/test_decode_step.py
@@ -36,18 +37,21 @@ What a step is (a round of them: Engine.decode):
        there, so a row that hits one decodes to the end of its round for nothing.
 
 How it runs (`Runner`):
-    eager    forward as written. The default on a CPU, where torch.compile does not pay:
-             bench/specdecode's 4-layer model, 8 rows of 1k tokens, 1 thread, compiled ran
-             0.78x eager dense and 0.51x sparse (1/8 of the pages), after 19 s of compiling;
-             the weight matmuls and attention are one C++ call each already, and each is a
-             graph break.
+    eager    forward as written: the reference.
+    fused    CPU: forward with each layer's norms, q|k|v, q/k norms, RoPE, o, MLP and residuals
+             in two C++ calls around the engine's attention (zeros_kernels/layer_cpu.py), for
+             fp32 dense models of plain linears (fused_refusals says why not). The default on
+             a CPU: bench/specdecode's 4-layer model, 8 rows of 4k tokens, 1 thread, a dense
+             step dispatches 337 ops instead of 507 and runs 1.7x eager, a sparse one (1/8 of
+             the pages) 1.7x; torch.compile did not pay there (0.78x eager dense and 0.51x
+             sparse at 1k, after 19 s of compiling: each C++ call is a graph break).
     compile  torch.compile(forward, dynamic=False): one compilation per bucket (guards on the
              shapes), the C++ calls left as graph breaks; inductor fuses the small ops between.
     graph    CUDA: the first step of a bucket runs eagerly (warm-up: Triton compiles its
              kernel), then the forward is captured into a CUDA graph on a memory pool the
              buckets share; later steps copy nothing (the slots ARE the graph's inputs, updated
              in place) and replay. Sampling stays outside the graph (a few ops).
-    auto     graph on CUDA where it is safe, eager elsewhere.
+    auto     graph on CUDA where it is safe; fused on a CPU where the model allows; else eager.
 A graph replays fixed memory: the slots (made once per bucket and page-table width, kept by
 the engine), the KV pool's buffers and the weights. So capture is refused (eager runs) where the
 forward would read anything else: record_pages (a list grows), MoE (its router syncs), rescoring
@@ -73,8 +77,9 @@ import torch
 import torch.nn.functional as F
 
 from speculative import draft_sample, sample, topk_logprobs
+from zeros_kernels.layer_cpu import fused_forward, fused_refusals, small_packs
 
-STEPS = ("auto", "eager", "compile", "graph")  # Engine(step=...), config key decode_step
+STEPS = ("auto", "eager", "fused", "compile", "graph")  # Engine(step=...), config key decode_step
 
 
 def bucket(n, cap):
@@ -151,6 +156,17 @@ def forward(model, cache, s):
     return logits, (cache._counts[2] if cache.budget is not None else None)
 
 
+def forward_fused(model, cache, s):
+    """`forward` with each layer's work outside attention in two C++ calls
+    (zeros_kernels/layer_cpu.py), where a step of the bucket's rows takes no small-batch packed
+    linear (small_packs); else `forward`."""
+    if small_packs(model, s.tok.shape[0]):
+        return forward(model, cache, s)
+    cache.lay_step(s)
+    logits = fused_forward(model, s.tok[:, None], cache)[:, -1]
+    return logits, (cache._counts[2] if cache.budget is not None else None)
+
+
 def decode_step(run, model, cache, s, call, eng, draft=False):
     """THE decode step, for every slot of the round: the forward (run: eager, compiled or a
     graph's replay), the next token, and the slots moved on in place. Static shapes, no host
@@ -207,14 +223,14 @@ def run_round(eng, call, steps, draft=False):
                                          cache.table.device)
     state = lambda r: (steps if draft else min(steps, call.limit[r] - len(call.out[r])),
                        call.out[r][-1], len(call.out[r]), 2**62 if draft else call.limit[r])
-    live = call.live = cache.begin_round(call.live, s, state, eng.run.mode != "eager")
+    live = call.live = cache.begin_round(call.live, s, state, eng.run.static)
     toks, qs = [s.tok[:n].clone()], []  # the rows' last tokens, then each step's
     ps, lens0 = cache.page_size, [cache.lens[r] for r in live]
     for i in range(steps):
         call.steps = cache.step = call.steps + 1  # the rescoring clock
         # eager: page metadata is written only at steps where a row's page can fill (a
         # compiled or captured step writes it every step, to the scratch page where none does)
-        cache.fills = eng.run.mode != "eager" or any((m + i + 1) % ps == 0 for m in lens0)
+        cache.fills = eng.run.static or any((m + i + 1) % ps == 0 for m in lens0)
         tok, q = decode_step(eng.run, model, cache, s, call, eng, draft)
         toks.append(tok[:n])
         qs.append(q)
@@ -279,7 +295,14 @@ class Runner:
     def __init__(self, mode):
         self.mode, self.seconds, self.graphs, self.fn, self.mempool = mode, 0.0, {}, None, None
 
+    @property
+    def static(self):
+        """Whether the step's shapes stay fixed for a bucket (compiled or captured)."""
+        return self.mode in ("compile", "graph")
+
     def __call__(self, model, cache, s):
+        if self.mode == "fused":
+            return forward_fused(model, cache, s)
         if self.mode == "compile":
             if self.fn is None:
                 # each C++ call (attention, the packed matmuls) is a graph break, and the frames
@@ -330,6 +353,17 @@ def capture(model, cache, s, runner):
     with torch.cuda.graph(g, pool=runner.mempool):
         out = forward(model, cache, s)
     return g, out
+
+
+def run_mode(eng):
+    """How the engine's steps run this call, from its step mode: auto is a graph where capture
+    is safe for both of its models, else fused where both allow it (CPU), else eager; graph and
+    fused fall back to eager where refused."""
+    safe = not graph_refusals(eng, eng.model) + graph_refusals(eng, eng.draft)
+    fused = not fused_refusals(eng.model) + fused_refusals(eng.draft)
+    return {"auto": "graph" if safe else "fused" if fused else "eager",
+            "graph": "graph" if safe else "eager",
+            "fused": "fused" if fused else "eager"}.get(eng.step_mode, eng.step_mode)
 
 
 def graph_refusals(eng, model):

@@ -25,7 +25,7 @@ prompt prefilled once per group and, optionally, block-sparse decode attention.
     pool_pages(cfg, longest_prompt)          # config key kv_pool_tokens in pages (0: one batch)
 
     # the decode step (decode.py): rounds of 8 static steps, the host looking once a round
-    engine = Engine(model, tokenizer, sync_every=8, step="auto")  # eager | compile | graph
+    engine = Engine(model, tokenizer, sync_every=8, step="auto")  # eager|fused|compile|graph
     call = engine.start(prompt_ids, 8, seed=0)   # prefill, first tokens: a decode.Call
     while call.live:
         engine.decode(call, 8)                     # 8 decode steps of the live rows
@@ -88,8 +88,9 @@ the group's own text, drafts.py, or each row's better one per round); kv_dtype="
 `kv_dtype_for`); pool_tokens=0 (the KV pool's cap in tokens, rounded up to pages; 0: none, each
 call takes what it needs); pool=None (a kvcache.KVPool to share with other engines, its own cap
 holding; None: one of the engine's own); sync_every=8 (decode steps a round: the host looks at
-the rows once a round); step="auto" | "eager" | "compile" | "graph" (how the step's forward
-runs, decode.Runner; auto: a CUDA graph per bucket where safe, else eager).
+the rows once a round); step="auto" | "eager" | "fused" | "compile" | "graph" (how the step's
+forward runs, decode.Runner; auto: a CUDA graph per bucket where safe, on a CPU the fused step
+where the model allows it, else eager).
 Timings: prefill_s, decode_s, new_tokens; prefill_calls, prefill_tokens and prefill_tokens_naive
 (what prefilling every row would cost); pages_read and pages_dense (KV pages read by decode
 attention, summed over steps, rows and layers, and what dense decode reads); pages_read_layer
@@ -126,7 +127,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from decode import STEPS, Call, Runner, graph_refusals, look, run_round, take
+from decode import STEPS, Call, Runner, look, run_mode, run_round, take
 from drafts import DraftStats, RolloutHistory
 from kvcache import PagedKVCache
 from kvpool import KVPool
@@ -433,9 +434,7 @@ class Engine:
         logits (or forced) and taken. -> decode.Call, whose buffers the decode steps fill."""
         self.check_lengths(prompt_ids)
         dev, G, T = self.model.lm_head.weight.device, group_size, self.max_new_tokens
-        safe = not graph_refusals(self, self.model) + graph_refusals(self, self.draft)
-        self.run.mode = {"auto": "graph" if safe else "eager",
-                         "graph": "graph" if safe else "eager"}.get(self.step_mode, self.step_mode)
+        self.run.mode = run_mode(self)
         N, ps = len(prompt_ids) * G, self.page_size
         groups = self.groups(prompt_ids, G)
         cache = self._new_cache(groups, N)

@@ -158,8 +158,8 @@ def main(argv):
         return None  # ... and a finished run resumed: "already complete"
     log(idle_keys(cfg))  # the keys set that do nothing in this run, before the warm start
     log(notes(cfg))  # settings that work but may surprise: a long warm-up, a long warm start
-    if dev.type == "cpu":  # a fresh machine compiles the decode kernel while the warm start trains
-        prefetch_cpu_ext("sparse_decode_cpu")
+    if dev.type == "cpu":  # a fresh machine compiles the decode kernels while the warm start trains
+        prefetch_cpu_ext("sparse_decode_cpu", "layer_cpu")
     run = None
     try:  # the cascade holds worker processes: close them however the run ends
         run = build(cfg, rank, world, dev, role, log)

@@ -154,6 +154,49 @@ def test_compiled_step_equals_the_eager_step():
             assert torch.allclose(comp.run.seen[key], x, atol=1e-5, rtol=0), (mode, key)
 
 
+def test_fused_step_equals_the_eager_step():
+    """The fused step (each layer's work outside attention in two C++ calls, layer_cpu.cpp): the
+    eager step's greedy tokens, and its logits within 1e-5, for dense and sparse decoding and the
+    speculative draft, across buckets and rows that finish; and on a model 256 wide inside
+    Transformer.packed() (oneDNN's packed weights, 16 rows: above the small-batch kernel)."""
+    m = tiny_model(seed=2, head_dim=32)
+    wide = Transformer(ModelConfig(vocab_size=64, hidden_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   intermediate_size=512, max_position_embeddings=256)).eval()
+    prompts = [[(i * 7 + j) % 64 for i in range(5 + 3 * j)] for j in range(8)]
+    cases = [(m, PROMPTS[:2], 2, mode) for mode in MODES] + [(wide, prompts, 2, "dense")]
+    for model, ps, G, mode in cases:
+        kw = dict(max_new_tokens=10, temperature=0.0, sync_every=4, **MODES[mode])
+        kw["eos_ids"] = [eos_mid(model, ps, G, dict(kw, step="eager"))]
+        eager, fused = tapped(model, **kw), tapped(model, "fused", **kw)
+        a, b = eager.generate(ps, G), fused.generate(ps, G)
+        assert fused.run.mode == "fused", mode
+        n = a.mask.sum(1)  # rows finish; buckets change (16 rows: one bucket)
+        assert n.min() < n.max() and (len(eager.slots) > 1 or model is wide), mode
+        assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.logp, b.logp, atol=1e-5)
+        assert set(fused.run.seen) == set(eager.run.seen)
+        for key, x in eager.run.seen.items():
+            assert torch.allclose(fused.run.seen[key], x, atol=1e-5, rtol=0), (mode, key)
+
+
+def test_the_fused_step_is_refused_where_it_would_not_run_the_model():
+    """fused_refusals: MoE, a LoRA layer, bf16 weights: `auto` and `fused` run those eagerly."""
+    from lora import add_lora
+    from zeros_kernels.layer_cpu import fused_refusals
+    m, moe = tiny_model(), Transformer(ModelConfig(num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=16))
+    assert fused_refusals(m) == [] and fused_refusals(moe) == ["MoE"]
+    assert fused_refusals(tiny_model().to(torch.bfloat16))[0] == "not fp32"
+    lo = tiny_model()
+    add_lora(lo, r=2)
+    assert fused_refusals(lo) == ["a linear that is not a plain fp32 nn.Linear (LoRA, fp8, "
+                                  "N:M, bias)"]
+    for model, mode in ((m, "fused"), (lo, "eager")):
+        eng = Engine(model, Ids(), eos_ids=[-1], max_new_tokens=4, step="fused")
+        eng.generate(PROMPTS[:1], 1)
+        assert eng.run.mode == mode
+
+
 def test_buckets_and_slots_are_reused_across_calls():
     """Buckets: 1, 2, 4, 8, 16, then multiples of 16, at most the call's rows. An engine's
     slots are made once per (bucket, page-table width) and reused by every call (a captured
@@ -205,7 +248,7 @@ def test_graph_capture_is_refused_where_a_replay_would_differ():
     eng = Engine(m, Ids(), record_pages=True, rescore_every=2, **SPARSE, **kw)
     assert graph_refusals(eng, m) == ["not on CUDA", "record_pages", "rescore_every > 1"]
     eng.generate(PROMPTS[:1], 1)
-    assert eng.run.mode == "eager"
+    assert eng.run.mode == "fused"  # a CPU's auto: the fused step (layer_cpu.cpp)
     with pytest.raises(ValueError, match="step one of"):
         Engine(m, Ids(), step="fast")
     with pytest.raises(ValueError, match="sync_every"):

@@ -6,8 +6,9 @@ first use, cached by torch), and how to do without them.
     prefetch_cpu_ext("sparse_decode_cpu")     # the same build, started in a background thread
 
 The first build of a kernel compiles torch's headers: one to three minutes of one core on a fresh
-machine. train.py starts the decode kernel's build (the one every CPU run uses) in a background
-thread before the warm start trains, so that on a first run the compile overlaps SFT; the first
+machine. train.py starts the decode kernels' builds (attention, sparse_decode_cpu, and the
+layers around it, layer_cpu: every CPU run uses both) in background threads before the warm
+start trains, so that on a first run the compile overlaps SFT; the first
 load_cpu_ext of a kernel whose build is under way waits for it. linear_cpu builds on first use,
 where it runs (AVX-512 and a model of hidden size 256 or more).
 
