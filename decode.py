@@ -158,13 +158,19 @@ def forward(model, cache, s):
 
 def forward_fused(model, cache, s):
     """`forward` with each layer's work outside attention in two C++ calls
-    (zeros_kernels/layer_cpu.py), where a step of the bucket's rows takes no small-batch packed
-    linear (small_packs); else `forward`."""
-    if small_packs(model, s.tok.shape[0]):
-        return forward(model, cache, s)
+    (zeros_kernels/layer_cpu.py): `model_forward`'s fused path."""
     cache.lay_step(s)
-    logits = fused_forward(model, s.tok[:, None], cache)[:, -1]
+    logits = model_forward("fused", model, s.tok[:, None], cache)[:, -1]
     return logits, (cache._counts[2] if cache.budget is not None else None)
+
+
+def model_forward(mode, model, ids, cache):
+    """model(ids, cache=cache) as a runner of `mode` runs it: fused where the mode is, unless
+    its rows would take the small-batch packed linears (small_packs); else the model's own.
+    The speculative verify (k + 1 tokens a row) goes through here too."""
+    if mode == "fused" and not small_packs(model, ids.numel()):
+        return fused_forward(model, ids, cache)
+    return model(ids, cache=cache)
 
 
 def decode_step(run, model, cache, s, call, eng, draft=False):

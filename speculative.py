@@ -389,7 +389,8 @@ def _verify(eng, cache, live, n0, ids, st):
     cache.begin_verify(live, ids.shape[1])
     st["verify_pages"] += sum(cache.n_pages)  # every layer reads them once
     st["verifies"], st["verify_calls"] = st["verifies"] + len(live), st["verify_calls"] + 1
-    return eng.model(ids, cache=cache)
+    from decode import model_forward  # (decode.py imports this file)
+    return model_forward(eng.run.mode, eng.model, ids, cache)  # fused on a CPU where it runs
 
 
 def _record_topk(eng, call, logits, rows, taken):

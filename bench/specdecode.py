@@ -40,7 +40,10 @@ Simplifications:
        not among them) and the host syncs (the host's reads of device values after device work),
        over the call's forwards (decode steps, draft steps and verifies; the prefill's ops among
        them).
-    5. The Qwen3-1.7B row is a prediction only (H200 datasheet rates, bf16 KV and weights, 8 rows
+    5. Every arm runs the engine's default step (on a CPU the fused one, decode.py) but "dense,
+       eager step": dense decoding with the eager step, the reference, as the engine ran before
+       the fused step; its speedup below 1 is what the fused step saves.
+    6. The Qwen3-1.7B row is a prediction only (H200 datasheet rates, bf16 KV and weights, 8 rows
        each with 32K tokens of its own, tokens per verify (1 - a^(k+1)) / (1 - a) at acceptance a).
 """
 
@@ -57,6 +60,7 @@ from rollout import Engine
 from sparsity import fraction_budget
 
 PAGE = 16
+EAGER = "dense, eager step"  # decode.Runner's reference; every other arm runs the default step
 
 
 def spec_cost(shape, B, ctx, k, tpv, schedule, rates, kv_bytes, param_bytes, dense_layers=0):
@@ -159,15 +163,19 @@ def run(quick, cmd):
     for ctx in contexts:
         prompts = [torch.randint(3, cfg.vocab_size, (ctx,), generator=g).tolist()
                    for _ in range(B)]
-        arms = {"dense": {}, **{(f, k): dict(sparse=fraction_budget(f), speculative=k)
-                                for f in fracs for k in ks}}
+        arms = {"dense": {}, EAGER: dict(step="eager"),
+                **{(f, k): dict(sparse=fraction_budget(f), speculative=k)
+                   for f in fracs for k in ks}}
         res = measure(m, prompts, new, arms, rounds)
         d, out = res["dense"][0], lambda t: 1 - (t["attn_s"] + t["select_s"]) / t["decode_s"]
         td = res["dense"][1]
         lines.append(f"| {ctx} | dense | {d:.2f} | 1.00x | - | - | - | - | - | 1.00 | "
                      f"{out(td):.0%} | {td['ops']:.0f} | {td['syncs']:.2f} |")
+        te = res[EAGER][1]  # the eager step: what the fused step's fixed cost was before
+        lines.append(f"| {ctx} | {EAGER} | {res[EAGER][0]:.2f} | {d / res[EAGER][0]:.2f}x | - | - "
+                     f"| - | - | - | 1.00 | {out(te):.0%} | {te['ops']:.0f} | {te['syncs']:.2f} |")
         for arm, (ms, t) in res.items():
-            if arm == "dense":
+            if arm in ("dense", EAGER):
                 continue
             f, k = arm
             dense_c, spec_c, _ = spec_cost(shape, B, ctx, k, t["tokens_per_verify"],

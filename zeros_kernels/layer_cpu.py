@@ -24,7 +24,8 @@ this file does not call.
 Simplifications:
     1. The loops' sums run in another order than ATen's: logits agree with the eager forward to
        about 1e-6 (tests/test_decode_step.py holds them to 1e-5 and the greedy tokens equal).
-    2. Decode steps and draft steps only (one token a row); prefill and the verify stay eager.
+    2. Decode steps, draft steps and the speculative verify (k + 1 tokens a row,
+       decode.model_forward); the prefill stays eager.
 """
 
 import torch
@@ -71,7 +72,7 @@ def group(mod, key, names):
             p.onednn = torch.ops.mkldnn._reorder_linear_weight(
                 torch.cat([m.weight.detach() for m in p.lins]), None)
         return 1, [p.onednn]
-    return 0, [getattr(mod, n).weight.detach() for n in names]
+    return 0, [getattr(mod, n).weight for n in names]
 
 
 def fused_forward(model, idx, cache):
@@ -86,15 +87,15 @@ def fused_forward(model, idx, cache):
     eps, nh, nkv = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads
     for i, block in enumerate(model.model.layers):
         at, mlp = block.self_attn, block.mlp
-        q, k, v = ext.pre_attn(x, block.input_layernorm.weight.detach(),
+        q, k, v = ext.pre_attn(x, block.input_layernorm.weight,
                                *group(at, "qkv", ("q_proj", "k_proj", "v_proj")),
-                               at.q_norm.weight.detach(), at.k_norm.weight.detach(), cos, sin,
+                               at.q_norm.weight, at.k_norm.weight, cos, sin,
                                nh, nkv, eps)
         y = cache.attend(i, q, k, v)
         x = ext.post_attn(x, y, *group(at, "o", ("o_proj",)),
-                          block.post_attention_layernorm.weight.detach(),
+                          block.post_attention_layernorm.weight,
                           *group(mlp, "gate_up", ("gate_proj", "up_proj")),
                           *group(mlp, "down", ("down_proj",)), mlp.gate_proj.out_features, eps)
     cache.advance(T)
-    x = ext.rms_norm(x, model.model.norm.weight.detach(), eps)
+    x = ext.rms_norm(x, model.model.norm.weight, eps)
     return linears(x, (model.lm_head,), model.packs.get("lm_head"))[0].float()
