@@ -13,6 +13,7 @@ from model import ModelConfig, Transformer
 from rollout import Engine
 from speculative import best_k, top_p_probs
 from sparsity import dense_budget, dense_logprobs, fixed_budget, fraction_budget, page_metadata
+from zeros_kernels.layer_cpu import fused_refusals
 
 
 class Ids:  # token ids only: pad 0, no EOS (eos_ids=[-1] keeps every row to max_new_tokens)
@@ -295,12 +296,15 @@ def test_another_draft_model_keeps_the_samples_exact():
 
 
 def test_bench_specdecode_quick_runs():
-    """`python -m bench specdecode --quick` (a few seconds): the measured table, one row per arm
-    and dense, and the cost model's Qwen3-1.7B prediction beside the lossy path's."""
+    """`python -m bench specdecode --quick` (a few seconds): the measured table, one row per arm,
+    dense and dense with the eager step (fewer ops a step with the default's fused one, on a CPU
+    where it runs), and the cost model's Qwen3-1.7B prediction beside the lossy path's."""
     from bench import specdecode
     lines = specdecode.run(True, "python -m bench specdecode --quick")
     rows = [x for x in lines if x.startswith("| 512 |")]
-    assert len(rows) == 3 and "| dense |" in rows[0]
+    assert len(rows) == 4 and "| dense |" in rows[0] and "| dense, eager step |" in rows[1]
+    ops = [float(r.split("|")[-3]) for r in rows[:2]]  # the ops / step column
+    assert ops[0] < ops[1] or fused_refusals(tiny_model())  # (no C++ kernel: both eager)
     qwen = [x for x in lines if x.startswith("| Qwen3-1.7B")]
     assert len(qwen) == 2 and all(x.count("x |") == 2 for x in qwen)
 
