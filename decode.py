@@ -41,10 +41,10 @@ How it runs (`Runner`):
     fused    CPU: forward with each layer's norms, q|k|v, q/k norms, RoPE, o, MLP and residuals
              in two C++ calls around the engine's attention (zeros_kernels/layer_cpu.py), for
              fp32 dense models of plain linears (fused_refusals says why not). The default on
-             a CPU: bench/specdecode's 4-layer model, 8 rows of 4k tokens, 1 thread, a dense
-             step dispatches 337 ops instead of 507 and runs 1.7x eager, a sparse one (1/8 of
-             the pages) 1.7x; torch.compile did not pay there (0.78x eager dense and 0.51x
-             sparse at 1k, after 19 s of compiling: each C++ call is a graph break).
+             a CPU: on bench/specdecode's 4-layer model, 8 rows of 1k-4k tokens, 1 thread, a
+             dense step dispatches about 290 ops instead of 505 and runs 1.03-1.27x eager;
+             torch.compile did not pay there (0.78x eager dense and 0.51x sparse at 1k, after
+             19 s of compiling: each C++ call is a graph break).
     compile  torch.compile(forward, dynamic=False): one compilation per bucket (guards on the
              shapes), the C++ calls left as graph breaks; inductor fuses the small ops between.
     graph    CUDA: the first step of a bucket runs eagerly (warm-up: Triton compiles its
