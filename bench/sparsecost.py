@@ -1,7 +1,8 @@
 """
 bench/sparsecost.py: stage 2, where a long-CoT decode step's time goes. The same prompts of the CPU
 long-CoT warm start (configs/longcot.py, built if missing) generated four ways: dense, at a fixed
-8 pages a step, at the table calibrated for p5 alpha >= kv_target, and at
+8 pages a step (each also with the eager step, decode.py's reference, beside the default's fused
+one on a CPU: what the fused step saves), at the table calibrated for p5 alpha >= kv_target, and at
 the table calibrated with the oracle scorer (the true attention mass per page: about the fewest
 pages a query-aware scorer can hold the threshold with; it reads every key, so its time is no
 speedup). The engine's clock splits each decode into attention (gather + SDPA, or the kernel), page
@@ -114,16 +115,19 @@ def run(quick, cmd):
         calib = {sc: kv_budget(dataclasses.replace(cfg, kv_budget="calibrate", kv_scorer=sc,
                                                    out_dir=f"{root}/{sc}"), model, tok, ids, print)
                  for sc in scorers}
-        arms = {"dense": (False, cfg.kv_scorer),
-                f"fixed {FIXED} pages": (Schedule([FIXED], cfg.kv_bin_pages), cfg.kv_scorer),
+        fixed = Schedule([FIXED], cfg.kv_bin_pages)
+        arms = {"dense": (False, cfg.kv_scorer, "auto"),
+                "dense, eager step": (False, cfg.kv_scorer, "eager"),
+                f"fixed {FIXED} pages": (fixed, cfg.kv_scorer, "auto"),
+                f"fixed {FIXED} pages, eager step": (fixed, cfg.kv_scorer, "eager"),
                 f"calibrated table {calib[cfg.kv_scorer].table}": (calib[cfg.kv_scorer],
-                                                                   cfg.kv_scorer),
+                                                                   cfg.kv_scorer, "auto"),
                 f"oracle scorer (reads every key), its calibrated table {calib['oracle'].table}":
-                    (calib["oracle"], "oracle")}
+                    (calib["oracle"], "oracle", "auto")}
         engines = {name: rollout.Engine(model, tok, cfg.max_new_tokens, cfg.temperature, cfg.top_p,
                                         [cfg.stop], sparse=budget, page_size=cfg.page_size,
-                                        scorer=scorer, dense_layers=cfg.dense_layers)
-                   for name, (budget, scorer) in arms.items()}
+                                        scorer=scorer, dense_layers=cfg.dense_layers, step=step)
+                   for name, (budget, scorer, step) in arms.items()}
         for eng in engines.values():
             eng.generate(prompts[:1], cfg.group_size, seed=1)  # warm-up, untimed (no clock)
         res = {}
