@@ -179,6 +179,40 @@ def test_fused_step_equals_the_eager_step():
             assert torch.allclose(fused.run.seen[key], x, atol=1e-5, rtol=0), (mode, key)
 
 
+def test_the_fused_layer_kernels_equal_the_blocks_pytorch():
+    """layer_cpu.cpp against model.py, one layer, 3 rows of 4 tokens (the verify's shape): pre_attn
+    gives Attention.forward's q, k, v (RMSNorm, the projections, the per-head norms, RoPE), and
+    post_attn Block.forward's output from the attention's y, within 1e-5."""
+    from model import apply_rope, rope_cos_sin
+    from zeros_kernels.cpu_ext import load_cpu_ext
+    ext, m = load_cpu_ext("layer_cpu"), tiny_model(seed=3, head_dim=8)
+    if ext is None:
+        pytest.skip("no C++ compiler")
+    blk, cfg = m.model.layers[1], m.config
+    B, T, eps = 3, 4, cfg.rms_norm_eps
+    x, y = torch.randn(B, T, cfg.hidden_size), torch.randn(B, cfg.num_attention_heads, T, 8)
+    cos, sin = rope_cos_sin(torch.arange(5, 5 + T).expand(B, T), 8, cfg.rope_theta, x.dtype)
+    at, mlp = blk.self_attn, blk.mlp
+    with torch.no_grad():
+        h = blk.input_layernorm(x)
+        heads = lambda p, n, norm: norm(p(h).view(B, T, n, 8)).transpose(1, 2)  # noqa: E731
+        want = [apply_rope(heads(at.q_proj, 4, at.q_norm), cos, sin),
+                apply_rope(heads(at.k_proj, 2, at.k_norm), cos, sin),
+                at.v_proj(h).view(B, T, 2, 8).transpose(1, 2)]
+        got = ext.pre_attn(x, blk.input_layernorm.weight, 0,
+                           [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight],
+                           at.q_norm.weight, at.k_norm.weight, cos[:, 0].contiguous(),
+                           sin[:, 0].contiguous(), 4, 2, eps)
+        x1 = x + at.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        out = x1 + mlp(blk.post_attention_layernorm(x1))
+        fused = ext.post_attn(x, y, 0, [at.o_proj.weight], blk.post_attention_layernorm.weight, 0,
+                              [mlp.gate_proj.weight, mlp.up_proj.weight], 0,
+                              [mlp.down_proj.weight], mlp.gate_proj.out_features, eps)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0)
+    assert torch.allclose(fused, out, atol=1e-5, rtol=0)
+
+
 def test_the_fused_step_is_refused_where_it_would_not_run_the_model():
     """fused_refusals: MoE, a LoRA layer, bf16 weights: `auto` and `fused` run those eagerly."""
     from lora import add_lora
