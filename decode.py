@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from speculative import draft_sample, sample, topk_logprobs
-from zeros_kernels.layer_cpu import fused_forward, fused_refusals, small_packs
+from zeros_kernels.layer_cpu import fused_refusals, model_forward
 
 STEPS = ("auto", "eager", "fused", "compile", "graph")  # Engine(step=...), config key decode_step
 
@@ -158,19 +158,11 @@ def forward(model, cache, s):
 
 def forward_fused(model, cache, s):
     """`forward` with each layer's work outside attention in two C++ calls
-    (zeros_kernels/layer_cpu.py): `model_forward`'s fused path."""
+    (zeros_kernels/layer_cpu.py): layer_cpu.model_forward's fused path."""
     cache.lay_step(s)
     logits = model_forward("fused", model, s.tok[:, None], cache)[:, -1]
     return logits, (cache._counts[2] if cache.budget is not None else None)
 
-
-def model_forward(mode, model, ids, cache):
-    """model(ids, cache=cache) as a runner of `mode` runs it: fused where the mode is, unless
-    its rows would take the small-batch packed linears (small_packs); else the model's own.
-    The speculative verify (k + 1 tokens a row) goes through here too."""
-    if mode == "fused" and not small_packs(model, ids.numel()):
-        return fused_forward(model, ids, cache)
-    return model(ids, cache=cache)
 
 
 def decode_step(run, model, cache, s, call, eng, draft=False):

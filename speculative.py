@@ -88,6 +88,7 @@ import torch.nn.functional as F
 
 from drafts import Choice, DraftStats, GroupDrafter, choose, merge
 from moe import record_routes
+from zeros_kernels.layer_cpu import model_forward
 
 EXPLORE = 16  # spec_draft=mix: rounds without the sparse draft before one runs it anyway
 M32 = 0xFFFFFFFF  # the noise's hashes are 32-bit values held in int64 (no overflow below)
@@ -389,7 +390,6 @@ def _verify(eng, cache, live, n0, ids, st):
     cache.begin_verify(live, ids.shape[1])
     st["verify_pages"] += sum(cache.n_pages)  # every layer reads them once
     st["verifies"], st["verify_calls"] = st["verifies"] + len(live), st["verify_calls"] + 1
-    from decode import model_forward  # (decode.py imports this file)
     return model_forward(eng.run.mode, eng.model, ids, cache)  # fused on a CPU where it runs
 
 

@@ -25,7 +25,7 @@ Simplifications:
     1. The loops' sums run in another order than ATen's: logits agree with the eager forward to
        about 1e-6 (tests/test_decode_step.py holds them to 1e-5 and the greedy tokens equal).
     2. Decode steps, draft steps and the speculative verify (k + 1 tokens a row,
-       decode.model_forward); the prefill stays eager.
+       model_forward); the prefill stays eager.
 """
 
 import torch
@@ -61,6 +61,15 @@ def small_packs(model, rows):
     from zeros_kernels.linear_cpu import linear_cpu_available
     packed = any(b.self_attn.packs or b.mlp.packs for b in model.model.layers)
     return packed and rows <= SMALL_ROWS and linear_cpu_available()
+
+
+def model_forward(mode, model, ids, cache):
+    """model(ids, cache=cache) as a decode.Runner of `mode` runs it: fused where the mode is,
+    unless its rows would take the small-batch packed linears (small_packs); else the model's
+    own. The engine's decode steps and the speculative verify (k + 1 tokens a row) call it."""
+    if mode == "fused" and not small_packs(model, ids.numel()):
+        return fused_forward(model, ids, cache)
+    return model(ids, cache=cache)
 
 
 def group(mod, key, names):
