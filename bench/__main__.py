@@ -87,6 +87,9 @@ def main(argv):
                    help="recipe: the variants to run, comma-separated (default: all of them); "
                         "sparrow: the arms to run, by letter (a,h); the table holds every run "
                         "recorded so far")
+    p.add_argument("--records", default="",
+                   help="recipe: a folder of bench/recipe_runs/ for another set of warm starts "
+                        "(another CPU builds others), with its own block of RESULTS.md")
     p.add_argument("--write-results", action="store_true",
                    help="rewrite the section's marked block of bench/RESULTS.md")
     args = p.parse_args(argv)
@@ -98,8 +101,12 @@ def main(argv):
     if args.variants and args.section not in ("recipe", "sparrow"):
         p.error("--variants is recipe's and sparrow's")
     extra, block = {}, args.section
+    if args.records and args.section != "recipe":
+        p.error("--records is recipe's")
     if args.section == "recipe":
-        extra = {"variants": args.variants, "jobs": args.jobs}
+        extra = {"variants": args.variants, "jobs": args.jobs,
+                 "runs": os.path.join(section.RUNS, args.records)}
+        block += f"-{args.records}" if args.records else ""
     if args.section == "sparrow":
         extra = {"jobs": args.jobs, "variants": args.variants,
                  **({"config": args.config} if args.config else {})}

@@ -11,6 +11,7 @@ pass@k there (k = eval_k, 64): has RL turned what the warm start could sample in
     python -m bench recipe --threads 1 --jobs 3            # 3 runs at a time, each its own process
     python -m bench recipe --jobs 0 --write-results        # only the table of the runs recorded
     python -m bench recipe --quick                         # seed 0, two variants, 2 steps
+    python -m bench recipe --records ws-1b2c3d4e ...       # another set of warm starts, apart
 
 The variants (VARIANTS) change only keys config.py has: lr and its schedule (min_lr_ratio 1: no
 decay), group size and prompts per step, rollout temperature, steps, clip-higher (clip_high 0.28
@@ -25,7 +26,11 @@ Simplifications:
        so a sweep can be run in parts, and the table holds every variant recorded so far, losers
        included. A change of code is not seen: delete the records to rerun them. The records of
        an earlier default (120 steps, pass@k on 20 a bin) are kept apart in
-       bench/recipe_runs/earlier-120/, outside the table; RESULTS.md keeps their table.
+       bench/recipe_runs/earlier-120/, outside the table; RESULTS.md keeps their table. Another CPU
+       builds other warm starts from the same settings (the last bits of its sums differ), and
+       what RL does moves with them: --records NAME keeps such a set's runs in
+       bench/recipe_runs/NAME/ (named ws-<the seed-0 warm start's weight checksum>), in a table
+       and a RESULTS block of its own, so that variants are compared on one set of warm starts.
     4. --jobs N starts the runs variant by variant, seed after seed, so the first N runs are of
        different seeds and each builds its seed's warm start; a later run of that seed finds it
        cached (two runs that build one warm start at once would share its progress file).
@@ -224,7 +229,8 @@ def run(quick, cmd, variants="", runs=RUNS, jobs=1):
                 f = open(os.path.join(root, f"{name}-s{seed}.log"), "w")
                 live.append((subprocess.Popen(
                     [sys.executable, "-m", "bench.recipe", name, str(seed),
-                     f"--threads={torch.get_num_threads()}"], stdout=f, stderr=subprocess.STDOUT,
+                     f"--threads={torch.get_num_threads()}", runs], stdout=f,
+                    stderr=subprocess.STDOUT,
                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), f))
                 print(f"recipe: {name} seed {seed} started, log {f.name}", flush=True)
             time.sleep(1)
@@ -235,8 +241,7 @@ def run(quick, cmd, variants="", runs=RUNS, jobs=1):
     return table(results, cmd) if results else ["(no runs recorded yet)"]
 
 
-if __name__ == "__main__":  # one run: python -m bench.recipe VARIANT SEED [--threads=N]
-    if sys.argv[3:]:
-        torch.set_num_threads(int(sys.argv[3].split("=")[1]))
+if __name__ == "__main__":  # one run: python -m bench.recipe VARIANT SEED --threads=N [RECORDS]
+    torch.set_num_threads(int(sys.argv[3].split("=")[1]))
     one_run(sys.argv[1], int(sys.argv[2]), False, tempfile.mkdtemp(prefix="zeros-bench-recipe-"),
-            RUNS)
+            sys.argv[4] if sys.argv[4:] else RUNS)

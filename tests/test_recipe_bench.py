@@ -2,6 +2,7 @@
 past SFT's range against the warm start's pass@k there. Every variant changes keys config.py has;
 --quick runs in seconds; a run recorded with the same arguments is read, not run again; the table
 ranks by the margin and counts the seeds where RL reaches the warm start's pass@k."""
+import os
 import pytest
 
 import config
@@ -61,3 +62,9 @@ def test_quick_runs_each_variant_once_and_the_filter_refuses_unknown_names(tmp_p
         recipe.run(True, "cmd", "baseline,nope", runs)
     with pytest.raises(SystemExit):
         bench_main(["demo", "--variants", "baseline"])  # the filter is recipe's
+    with pytest.raises(SystemExit):
+        bench_main(["demo", "--records", "ws-0"])  # another set of warm starts: recipe's too
+    seen = {}
+    monkeypatch.setattr(recipe, "run", lambda quick, cmd, **kw: seen.update(kw) or ["| t |"])
+    bench_main(["recipe", "--jobs", "0", "--records", "ws-0"])  # its runs in their own folder
+    assert seen["runs"] == os.path.join(recipe.RUNS, "ws-0")
