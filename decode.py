@@ -42,7 +42,7 @@ How it runs (`Runner`):
              in two C++ calls around the engine's attention (zeros_kernels/layer_cpu.py), for
              fp32 dense models of plain linears (fused_refusals says why not). The default on
              a CPU: on bench/specdecode's 4-layer model, 8 rows of 1k-4k tokens, 1 thread, a
-             dense step dispatches about 290 ops instead of 505 and runs 1.03-1.27x eager;
+             dense step dispatches about 290 ops instead of 505 and runs 0.94-1.28x eager;
              torch.compile did not pay there (0.78x eager dense and 0.51x sparse at 1k, after
              19 s of compiling: each C++ call is a graph break).
     compile  torch.compile(forward, dynamic=False): one compilation per bucket (guards on the
