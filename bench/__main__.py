@@ -3,7 +3,8 @@ bench/__main__.py: the command line. Runs one section, prints its table, and wit
 puts the table between the section's markers in bench/RESULTS.md.
 
     python -m bench SECTION [--quick] [--threads N] [--write-results]
-    python -m bench recipe --variants baseline,lr4e-4   # a section's own flags (--config, --jobs)
+    python -m bench recipe --variants baseline,lr4e-4   # a section's own flags (--config, --jobs,
+                                                        # --records)
     python -m bench --help       # the sections, each with what it measures and its time
 
 Flags take either form, --threads 1 or --threads=1.
