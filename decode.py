@@ -147,20 +147,13 @@ class Call:
     times: list = None  # perf_counter at the start, after the prefill
 
 
-def forward(model, cache, s):
+def forward(model, cache, s, mode="eager"):
     """The part of a step that is compiled or captured: the slots' index tensors, then the model
-    over each slot's last token at its position. -> logits (B, V) fp32, and the pages each
-    slot's sparse layers read (B,) (None: dense)."""
+    over each slot's last token at its position (mode "fused": each layer's work outside
+    attention in two C++ calls, layer_cpu.model_forward). -> logits (B, V) fp32, and the pages
+    each slot's sparse layers read (B,) (None: dense)."""
     cache.lay_step(s)
-    logits = model(s.tok[:, None], cache=cache)[:, -1]  # (B, V): one token a slot
-    return logits, (cache._counts[2] if cache.budget is not None else None)
-
-
-def forward_fused(model, cache, s):
-    """`forward` with each layer's work outside attention in two C++ calls
-    (zeros_kernels/layer_cpu.py): layer_cpu.model_forward's fused path."""
-    cache.lay_step(s)
-    logits = model_forward("fused", model, s.tok[:, None], cache)[:, -1]
+    logits = model_forward(mode, model, s.tok[:, None], cache)[:, -1]  # (B, V): a token a slot
     return logits, (cache._counts[2] if cache.budget is not None else None)
 
 
@@ -300,7 +293,7 @@ class Runner:
 
     def __call__(self, model, cache, s):
         if self.mode == "fused":
-            return forward_fused(model, cache, s)
+            return forward(model, cache, s, "fused")
         if self.mode == "compile":
             if self.fn is None:
                 # each C++ call (attention, the packed matmuls) is a graph break, and the frames

@@ -168,10 +168,15 @@ class Packed:
                 self.tried_small = True
             if self.small is not None:
                 return linear_cpu(x, self.small, self.n)
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight(), None, "none", [], "")
+
+    def onednn_weight(self):
+        """The group's weights stacked in oneDNN's layout, made on first use (zeros_kernels/layer_cpu
+        passes it to the same kernel from C++)."""
         if self.onednn is None:
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(
                 torch.cat([m.weight.detach() for m in self.lins]), None)
-        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, None, "none", [], "")
+        return self.onednn
 
 
 def linears(x, mods, packed=None):

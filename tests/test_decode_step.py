@@ -213,6 +213,24 @@ def test_the_fused_layer_kernels_equal_the_blocks_pytorch():
     assert torch.allclose(fused, out, atol=1e-5, rtol=0)
 
 
+def test_small_packed_steps_keep_the_small_batch_kernel(monkeypatch):
+    """small_packs: inside Transformer.packed(), a step of at most SMALL_ROWS rows where linear_cpu
+    runs takes the model's own forward (linear_cpu's kernel, which layer_cpu does not call);
+    more rows, no packs, or no linear_cpu: the fused forward."""
+    import zeros_kernels.linear_cpu as lc
+    from zeros_kernels.layer_cpu import small_packs
+    wide = Transformer(ModelConfig(vocab_size=64, hidden_size=256, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   intermediate_size=512)).eval()
+    monkeypatch.setattr(lc, "linear_cpu_available", lambda: True)
+    assert not small_packs(wide, 4)  # not packed
+    with wide.packed():
+        assert small_packs(wide, 4) == torch.backends.mkldnn.is_available()
+        assert not small_packs(wide, lc.SMALL_ROWS + 1)
+        monkeypatch.setattr(lc, "linear_cpu_available", lambda: False)
+        assert not small_packs(wide, 4)
+
+
 def test_the_fused_step_is_refused_where_it_would_not_run_the_model():
     """fused_refusals: MoE, a LoRA layer, bf16 weights: `auto` and `fused` run those eagerly."""
     from lora import add_lora

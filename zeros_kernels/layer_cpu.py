@@ -76,12 +76,7 @@ def group(mod, key, names):
     """A group of linears as the C++ side takes it: (kind, weights): the oneDNN-packed stack
     (kind 1) where Transformer.packed() made one, else the plain weights (kind 0)."""
     p = mod.packs.get(key)
-    if p is not None:
-        if p.onednn is None:  # packed on first use, as Packed.__call__ would
-            p.onednn = torch.ops.mkldnn._reorder_linear_weight(
-                torch.cat([m.weight.detach() for m in p.lins]), None)
-        return 1, [p.onednn]
-    return 0, [getattr(mod, n).weight for n in names]
+    return (0, [getattr(mod, n).weight for n in names]) if p is None else (1, [p.onednn_weight()])
 
 
 def fused_forward(model, idx, cache):
