@@ -29,7 +29,7 @@ What it holds:
        key; min and max keys for Quest), written once, when the page fills.
     3. Decode attention (`attend`): the new token's key and value go to the row's last page; dense
        on a CPU reads the lanes in place and each shared prompt once per group (merged by
-       log-sum-exp); sparse layers read the pages that `_select` picks (sparsity.select_pages over
+       log-sum-exp; lanes.py, the methods PagedKVCache takes from LaneAttention); sparse layers read the pages that `_select` picks (sparsity.select_pages over
        the scorer's page scores, or the C++ kernel's one call), through `decode_attention`.
     4. Rescoring (rescore_every = k > 1, centroid or Quest): the pages are scored once in every
        window of k decode steps, at a hashed offset (`rescores`: a fixed stride would alias with a
@@ -63,10 +63,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from zeros_kernels.block_sparse_decode import (attend_rows, decode_attention, dense_slots,
-                                         merge_attention, prefix_index, shared_prefix_decode)
-from zeros_kernels.sparse_decode_cpu import UNSCORED, attend_runs_cpu, cpu_kernel, select_pages_cpu
+from zeros_kernels.block_sparse_decode import decode_attention, dense_slots, prefix_index
+from zeros_kernels.sparse_decode_cpu import UNSCORED, cpu_kernel, select_pages_cpu, write_tokens_cpu
 from kvpool import KVPool
+from lanes import LaneAttention
 from moe import record_routes
 from sparsity import (centroid_scores, oracle_scores, page_metadata, pages_to_read, quest_scores,
                       select_pages)
@@ -87,7 +87,7 @@ def rescores(step, every):
     return at == (0 if window == 0 else (x ^ (x >> 27)) % every)
 
 
-class PagedKVCache:
+class PagedKVCache(LaneAttention):
     """K and V pools, a page table per sequence (logical -> physical page), reference counts, and
     lanes = (S prefix slots of P pages, R pages a row) or a free list (lanes=None). The engine lays
     out a forward (`begin_prefill`, `begin_decode`); the model calls positions, attend, advance."""
@@ -145,6 +145,9 @@ class PagedKVCache:
         self.fills = True  # static steps: False where the host knows that no page fills
         # True: a verify attends through the gather + SDPA reference even on a CPU's lanes (tests)
         self.verify_ref = False
+        # False: a decode step reads the lanes through views (`_attend_lanes`), the reference of
+        # `_own_lanes`' one call (tests)
+        self.lanes_fast = True
 
     # ---- bookkeeping
 
@@ -472,18 +475,22 @@ class PagedKVCache:
         return self._pos
 
     def attend(self, layer, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
-        kp, vp = self.k[layer], self.v[layer]  # (Hkv, num_pages * page_size, D)
+        pools = lambda: (self.k[layer], self.v[layer])  # (Hkv, num_pages * page_size, D) each
         if self._mode == "prefill":
+            kp, vp = pools()
             b, t, dst = self._scatter  # causal SDPA, and token t of batch row b into slot dst
             kp.index_copy_(1, dst, k[b, :, t].transpose(0, 1).to(kp.dtype))
             vp.index_copy_(1, dst, v[b, :, t].transpose(0, 1).to(vp.dtype))
             self._write_meta(layer, self._filled)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if self._mode == "verify":
-            return self._attend_verify(layer, kp, vp, q, k, v)
-        # the new token first: it attends to itself; (Hkv, B, D) into B token slots
-        kp.index_copy_(1, self._dst, k[:, :, 0].transpose(0, 1).to(kp.dtype))
-        vp.index_copy_(1, self._dst, v[:, :, 0].transpose(0, 1).to(vp.dtype))
+            return self._attend_verify(layer, *pools(), q, k, v)
+        # the new token first: it attends to itself; (Hkv, B, D) into B token slots (on a CPU
+        # one C++ call; index_copy_ is its reference)
+        if not write_tokens_cpu(self.k, self.v, layer, k, v, self._dst):
+            kp, vp = pools()
+            kp.index_copy_(1, self._dst, k[:, :, 0].transpose(0, 1).to(kp.dtype))
+            vp.index_copy_(1, self._dst, v[:, :, 0].transpose(0, 1).to(vp.dtype))
         self._write_meta(layer, self._filled)  # before selecting: a page that fills is scored now
         sel = n_sel = None  # dense: every page
         t0 = self._tick(None, 0.0)
@@ -492,7 +499,12 @@ class PagedKVCache:
             t0 = self._tick("select", t0)
             self._count(layer, sel, n_sel)
         if sel is None and self.lanes is not None and not q.is_cuda:  # (B, Hkv, G, D) queries
+            y = self._own_lanes(layer, q)  # the lanes read from the pool's offsets, no views
+            if y is not None:
+                self._tick("attn", t0)
+                return y
             # in the pool's dtype, as the Triton kernel casts them (kv_dtype may not be q's)
+            kp, vp = pools()
             qg = q[:, :, 0].view(q.shape[0], self.H, -1, self.D).to(kp.dtype)
             y = self._attend_lanes(kp, vp, qg).flatten(1, 2).to(q.dtype)
         else:
@@ -527,84 +539,6 @@ class PagedKVCache:
         if name is not None:
             self.clock[name] += now - t0
         return now
-
-    def _attend_verify(self, layer, kp, vp, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
-        """The verify forward's dense attention: the T new tokens' K and V into their slots (over
-        the draft's), the touched pages' metadata, then the lanes read in place (`_verify_lanes`)
-        or, the reference, one gather of each row's cache through its page table and SDPA with the
-        causal mask of `begin_verify`."""
-        B, H, T, D = k.shape
-        t0 = self._tick(None, 0.0)
-        kp.index_copy_(1, self._dst, k.transpose(0, 1).reshape(H, B * T, D).to(kp.dtype))
-        vp.index_copy_(1, self._dst, v.transpose(0, 1).reshape(H, B * T, D).to(vp.dtype))
-        self._write_meta(layer, self._filled)
-        if self._slots is None:
-            y = self._verify_lanes(kp, vp, q, k.to(kp.dtype), v.to(vp.dtype))
-            self._tick("attn", t0)
-            return y
-        S = self._slots.shape[1]
-        # (B, Hkv, S, D): the pool is head-major, so one index_select over its token slots
-        kc, vc = (p.index_select(1, self._slots.view(-1)).view(H, B, S, D).transpose(0, 1)
-                  for p in (kp, vp))
-        y = F.scaled_dot_product_attention(q, kc.to(q.dtype), vc.to(q.dtype), attn_mask=self._see,
-                                           enable_gqa=True)
-        self._tick("attn", t0)
-        return y  # (B, Hq, T, D)
-
-    def _attend_lanes(self, kp, vp, qg, lse=False, tail=0):  # kp, vp (Hkv, N, D); qg (B, Hkv, M, D)
-        """CPU dense attention on the lanes, for M queries a KV head (a decode step's G query
-        heads, a verify's G * T): the live rows' own tokens are one strided view of the pool, read
-        in place; a shared prompt is read once per group, merged by log-sum-exp. -> (B, Hkv, M,
-        D), and with lse=True each query's log-sum-exp (B, Hkv, M) too. tail = T: a verify's T new
-        tokens, in each lane right after the row's own, in the same pass, causal (the C++ kernel's
-        blocks of keys, out only; None where it has none)."""
-        (S, P, R), ps, H, D, B = self.lanes, self.page_size, self.H, self.D, qg.shape[0]
-        # (n, Hkv, T, D) views, no copy: n runs of `size` token slots from slot `first`, cut to T
-        runs = lambda t, first, n, size, T: (t[:, first:first + n * size].view(H, n, size, D)
-                                             [:, :, :T].transpose(0, 1))
-        if self._by_lane is not None:  # rows moved by _compact: q in lane order, and back below
-            qg = qg.index_select(0, self._by_lane)
-        own = [runs(t, S * P * ps, B, R * ps, self._own + tail) for t in (kp, vp)]
-        pre = self._pre and [runs(t, 0, S, P * ps, self._pre[0]) for t in (kp, vp)]
-        if tail:  # the lanes and their new tokens in one pass; the shared prompt apart, merged
-            lens = None if self._own_lens is None else self._own_lens + tail
-            y, ly = attend_runs_cpu(qg, *own, lens, tail=tail) or (None, None)
-            if y is not None and pre:  # every query sees all of the prompt; its rows' queries
-                _, n_pre, q_idx, slot, member, lone = self._pre  # as in shared_prefix_decode
-                qp = qg.transpose(0, 1).index_select(1, q_idx).view(H, S, -1, D).transpose(0, 1)
-                yp, lp = (t.unflatten(2, (q_idx.numel() // S, -1))[slot, :, member]
-                          for t in attend_rows(qp, *pre, n_pre, lse=True))
-                lp = lp if lone is None else lp.masked_fill(lone, -math.inf)  # rows without one
-                y = merge_attention(y, ly, yp, lp)
-            y = y if y is None else y.to(qg.dtype)
-        elif pre is None:
-            y = attend_rows(qg, *own, self._own_lens, lse=lse)
-        else:
-            y = shared_prefix_decode(qg, *own, self._own_lens, *pre, self._pre, lse=lse)
-        if self._by_lane is None or y is None:
-            return y
-        back = lambda t: t.index_select(0, self._lane)  # (B, ...) lane order -> the rows' order
-        return tuple(map(back, y)) if lse else back(y)
-
-    def _verify_lanes(self, kp, vp, q, k, v):  # q (B, Hq, T, D); k, v (B, Hkv, T, D)
-        """The verify's attention on a CPU's lanes. The T new tokens lie in each row's lane right
-        after its cached ones (`_attend_verify` wrote them), so `_attend_lanes(tail=T)` reads the
-        lane once for the G * T queries of a KV head, a block of keys at a time (the C++ kernel,
-        causal on the new tokens). Without it (or BLOCKS off in sparse_decode_cpu), two parts
-        merged by log-sum-exp: (a) the cache before the T, where every one of the T queries sees
-        the same keys, as G * T queries of one decode step; (b) the T new tokens among
-        themselves, causal: a (G * T) x T attention over the k and v the forward just made."""
-        B, Hq, T, D = q.shape
-        qg = q.reshape(B, self.H, -1, D)  # (B, Hkv, G * T, D): head h * G + g, token i -> g * T + i
-        y = self._attend_lanes(kp, vp, qg.to(kp.dtype), tail=T)  # the pool's dtype
-        if y is not None:
-            return y.view(B, Hq, T, D).to(q.dtype)
-        y, lse = self._attend_lanes(kp, vp, qg.to(kp.dtype), lse=True)
-        s = (qg.float() @ k.float().transpose(-1, -2)) * D ** -0.5  # (B, Hkv, G * T, T)
-        s = s.masked_fill(~self._causal, -math.inf)
-        lse_new = s.logsumexp(-1)  # finite: every query sees itself
-        y_new = (s - lse_new[..., None]).exp() @ v.float()
-        return merge_attention(y, lse, y_new, lse_new).view(B, Hq, T, D).to(q.dtype)
 
     def _select(self, layer, q):  # q (B, Hq, D) -> sel (B, Hkv, S), n_sel (B, Hkv)
         meta = [m[layer] for m in (self.kmin, self.kmax) if m is not None] or [self.kmean[layer]]

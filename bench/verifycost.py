@@ -11,7 +11,10 @@ of 8 queries and attended to the new tokens apart (kvcache.PagedKVCache._verify_
 Per cached context (1k, 2k, 4k tokens; 8 rows, k = 8, 1 thread): the attention of a dense decode
 step (in the same key blocks from sparse_decode_cpu.DECODE_BLOCKS_FROM keys a lane: all of these
 contexts) and of a verify, before (the two-part path: BLOCKS off) and after, summed over the
-layers; each as ms and as a multiple of the decode step's.
+layers; each as ms and as a multiple of the decode step's. Then the ceiling: the verify's
+FLOP rate (4 D FLOPs a query and key: Q K^T and P V) against this core's fp32 GEMM rate
+(bench/cost.py's machine_rates), and the verify at that rate, its floor, as a multiple of the
+decode step as measured: where the floor is under 1.3x, the kernel, not the CPU, holds the goal.
 
 Simplifications:
     1. No model: a one-call lanes cache (kvcache.PagedKVCache, pages of 16, fp32: the CPU's KV
@@ -30,6 +33,7 @@ from types import SimpleNamespace
 import torch
 
 from bench.common import hardware
+from bench.cost import machine_rates
 from kvcache import PagedKVCache
 from rollout import lane_pages
 from zeros_kernels import sparse_decode_cpu
@@ -88,19 +92,25 @@ def run(quick, cmd):
     torch.set_num_threads(1)
     contexts, shapes = ((1024,), list(SHAPES)[:1]) if quick else ((1024, 2048, 4096), SHAPES)
     rounds, gen = 3 if quick else 7, torch.Generator().manual_seed(0)
+    flops = machine_rates()[0]
     lines = [f"Hardware: {hardware()}. Command: `{cmd}`. Attention alone, 1 thread: {ROWS} rows, "
              f"k = {K} drafts (a verify of {K + 1} tokens a row), {LAYERS} layers, fp32 KV in "
              f"lanes, pages of {PAGE}; thread CPU ms summed over the layers, fastest of {rounds} "
-             f"rounds, the arms taking turns.", "",
+             f"rounds, the arms taking turns. GEMM rate: an fp32 2048 x 2048 matmul, "
+             f"{flops / 1e9:.0f} GFLOP/s.", "",
              "| heads | cached tokens | decode step ms | verify before ms | verify ms "
-             "| before / decode | verify / decode |", "|---|---|---|---|---|---|---|"]
+             "| before / decode | verify / decode | verify GFLOP/s | verify at the GEMM rate / "
+             "decode |", "|---|---|---|---|---|---|---|---|---|"]
     try:
         for name in shapes:
             for n in contexts:
                 ms = step_ms(lanes(n, *SHAPES[name]), K + 1, rounds, gen)
                 d, b, a = ms["decode"], ms["verify, before"], ms["verify"]
+                H, G, D = SHAPES[name]  # each of G (k + 1) queries against n + k + 1 keys
+                work = ROWS * H * LAYERS * G * (K + 1) * (n + K + 1) * 4 * D
                 lines.append(f"| {name} | {n} | {d:.2f} | {b:.2f} | {a:.2f} | {b / d:.2f}x "
-                             f"| {a / d:.2f}x |")
+                             f"| {a / d:.2f}x | {work / a / 1e6:.0f} "
+                             f"| {1e3 * work / flops / d:.2f}x |")
                 print(lines[-1], flush=True)
     finally:
         torch.set_num_threads(threads)

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ["train", "ledger", "memory", "heldout", "sparse_rollout", "calibrate", "roi", "report",
          "warmstart", "parallel",
          "checkpoint", "distill", "update", "copies", "sync", "rollout", "decode", "speculative",
-         "drafts", "kvcache", "kvpool",
+         "drafts", "kvcache", "lanes", "kvpool",
          "zeros_kernels.block_sparse_decode", "zeros_kernels.sparse_decode_cpu", "sparsity",
          "prompts", "reward", "sandbox", "sandbox_harness", "sandbox_launcher", "tasks", "synthetic",
          "answers",

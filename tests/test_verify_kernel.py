@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kvcache
+import lanes as lane_attention
 from kvcache import PagedKVCache
 from rollout import lane_pages
 from zeros_kernels import sparse_decode_cpu as cpu_path
@@ -111,7 +111,7 @@ def test_verify_on_the_lanes_equals_the_gather_reference(kernel, monkeypatch, G,
         out = cpu_path.attend_runs_cpu(*a, **kw)
         calls.append((kw.get("tail", 1), out is not None))
         return out
-    monkeypatch.setattr(kvcache, "attend_runs_cpu", spy)
+    monkeypatch.setattr(lane_attention, "attend_runs_cpu", spy)
     groups = [(22, [0, 1, 2]), (9, [3, 4]), (7, [5]), (3, [6, 7])]
     (fast, live), (ref, _) = (lanes_cache(groups, G, 32, dtype, r) for r in (False, True))
     gen = torch.Generator().manual_seed(G)

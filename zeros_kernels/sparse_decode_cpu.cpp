@@ -30,6 +30,10 @@
 // across them), then the running softmax, then a second GEMM adds P V with the head dim across the
 // lanes. The T new tokens lie in the run right after the cached ones; a mask on the block(s)
 // holding them keeps each new token's query causal.
+//
+// `attend_lanes` is attend_runs with the lanes found from the pool's shape and offsets instead of
+// views, and `write_tokens` puts a step's new keys and values into their slots: a small model's
+// decode step made about twenty PyTorch ops a layer of those (views, index_copy_, casts).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -620,33 +624,39 @@ void with_mv(int64_t MV, F&& f) {
   }
 }
 
-}  // namespace
+// Each (row, KV head)'s keys and values as one contiguous run: row b, head h at k + b * sb + h * sh
+// (elements), T tokens of D each
+struct Runs {
+  const void* k;
+  const void* v;
+  int64_t sb, sh, T;
+  at::ScalarType dtype;
+};
 
-// Dense decode over contiguous runs (the engine's lanes): q (B, H, M, D) float32, the M queries of
-// each KV head; k, v (B, H, T, D) views with any row and head strides and contiguous tokens;
-// lens (B,) int32 keys of each row (an undefined tensor: all T). tail = T > 1: a verify, its
+// Dense decode over contiguous runs (the engine's lanes): q, the M queries of each of the B * H
+// (row, KV head)s, float32 and contiguous, query m of (b, h) at ((b * H + h) * M + m) * D; lens
+// (B,) int32 or int64 keys of each row (an undefined tensor: all T). tail = T > 1: a verify, its
 // M = G * T queries ordered g * T + i, the last T of a row's keys its new tokens, seen causally.
 // blocks: all M queries through attend_block (the caller sets it for a verify, more than 8
-// queries or a long lane; false: `Online` in chunks, tail 1 only). -> [out (B, H, M, D) float32, lse (B, H, M) float32], or [] where there is no
-// instance (`Online`: a head dim not in 32, 64, 128; blocks: not a multiple of kW): the caller
-// falls back
-std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                       c10::optional<torch::Tensor> lens, double scale,
-                                       int64_t tail, bool blocks) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "q must be a contiguous float32 (B, H, M, D) tensor");
-  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3), T_ = k.size(2);
-  for (const auto& t : {k, v})
-    TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == H && t.size(3) == D &&
-                    t.stride(3) == 1 && t.stride(2) == D && t.scalar_type() == k.scalar_type(),
-                "k and v must be (B, H, T, D) views with contiguous tokens, of one dtype");
+// queries or a long lane; false: `Online` in chunks, tail 1 only). -> [out (q's shape) float32,
+// lse (B, H, M) float32], or [] where there is no instance (`Online`: a head dim not in 32, 64,
+// 128; blocks: not a multiple of kW): the caller falls back
+std::vector<torch::Tensor> runs_attention(const torch::Tensor& q, int64_t B, int64_t H, int64_t M,
+                                          int64_t D, const Runs& r,
+                                          const c10::optional<torch::Tensor>& lens, double scale,
+                                          int64_t tail, bool blocks) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.numel() == B * H * M * D,
+              "q must be a contiguous float32 tensor of B * H * M * D floats");
   TORCH_CHECK(tail >= 1 && M % tail == 0 && (blocks || tail == 1),
               "tail must divide the queries M = G * T, and needs blocks");
-  const int32_t* lp = nullptr;
+  const int32_t* lp32 = nullptr;
+  const int64_t* lp64 = nullptr;
   if (lens.has_value() && lens->defined()) {
-    TORCH_CHECK(lens->scalar_type() == at::kInt && lens->is_contiguous() && lens->numel() == B,
-                "lens must be a contiguous int32 (B,) tensor");
-    lp = lens->data_ptr<int32_t>();
+    TORCH_CHECK(lens->is_contiguous() && lens->numel() == B &&
+                    (lens->scalar_type() == at::kInt || lens->scalar_type() == at::kLong),
+                "lens must be a contiguous int32 or int64 (B,) tensor");
+    if (lens->scalar_type() == at::kInt) lp32 = lens->data_ptr<int32_t>();
+    else lp64 = lens->data_ptr<int64_t>();
   }
   // blocks (the caller's choice, sparse_decode_cpu.attend_runs_cpu: a verify, more queries than
   // one decode instance holds, or a long context): blocks of keys for all M queries
@@ -654,20 +664,20 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
   // the block kernel's passes: at most kMaxMV vectors of queries each, as even as lanes allow
   const int64_t passes = (M + kMaxMV * kW - 1) / (kMaxMV * kW);
   const int64_t per = ((M + passes - 1) / passes + kW - 1) / kW * kW;
-  auto out = torch::empty({B, H, M, D}, q.options());
+  auto out = torch::empty_like(q);
   auto lse = torch::empty({B, H, M}, q.options());
   const float sc = static_cast<float>(scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "runs", [&] {
-    const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+  const int64_t T_ = r.T;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, r.dtype, "runs", [&] {
+    const scalar_t *kp = static_cast<const scalar_t*>(r.k), *vp = static_cast<const scalar_t*>(r.v);
     const float* qp = q.data_ptr<float>();
     float *op = out.data_ptr<float>(), *lsp = lse.data_ptr<float>();
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> work(blocks ? D * kMaxMV * kW + 2 * kKeys * D : 0);
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / H, h = bh % H;
-        const int64_t n = lp ? std::min<int64_t>(lp[b], T_) : T_;
-        const scalar_t *kr = kp + b * k.stride(0) + h * k.stride(1);
-        const scalar_t *vr = vp + b * v.stride(0) + h * v.stride(1);
+        const int64_t n = lp32 ? std::min<int64_t>(lp32[b], T_) : lp64 ? std::min(lp64[b], T_) : T_;
+        const scalar_t *kr = kp + b * r.sb + h * r.sh, *vr = vp + b * r.sb + h * r.sh;
         for (int64_t m0 = 0; blocks && m0 < M; m0 += per) {
           const int64_t mc = std::min(per, M - m0);
           with_mv((mc + kW - 1) / kW, [&](auto mv) {
@@ -694,11 +704,90 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
   return {out, lse};
 }
 
+}  // namespace
+
+// runs_attention over k, v (B, H, T, D) views with any row and head strides and contiguous
+// tokens; q (B, H, M, D) float32 contiguous
+std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                       c10::optional<torch::Tensor> lens, double scale,
+                                       int64_t tail, bool blocks) {
+  TORCH_CHECK(q.dim() == 4, "q must be a (B, H, M, D) tensor");
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3);
+  for (const auto& t : {k, v})
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == B && t.size(1) == H && t.size(3) == D &&
+                    t.stride(3) == 1 && t.stride(2) == D && t.scalar_type() == k.scalar_type(),
+                "k and v must be (B, H, T, D) views with contiguous tokens, of one dtype");
+  TORCH_CHECK(k.stride(0) == v.stride(0) && k.stride(1) == v.stride(1),
+              "k and v must have the same strides");
+  const Runs r{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.size(2), k.scalar_type()};
+  return runs_attention(q, B, H, M, D, r, lens, scale, tail, blocks);
+}
+
+// A decode step's dense attention on the engine's lanes, read where they lie in the pool:
+// kpool, vpool (L, H, N, D) contiguous; row b's lane of head h in layer `layer` is the T token
+// slots from first + b * size. q: the B * H * M * D floats of (B, Hq, 1, D) (M = Hq / H query
+// heads a KV head, in order). -> [out (q's shape), lse (B, H, M)], as attend_runs
+std::vector<torch::Tensor> attend_lanes(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
+                                        int64_t layer, int64_t first, int64_t size, int64_t T,
+                                        c10::optional<torch::Tensor> lens, double scale,
+                                        bool blocks) {
+  TORCH_CHECK(kpool.dim() == 4 && kpool.is_contiguous() && vpool.is_contiguous() &&
+                  kpool.sizes() == vpool.sizes() && kpool.scalar_type() == vpool.scalar_type(),
+              "kpool and vpool must be contiguous (L, H, N, D) tensors of one shape and dtype");
+  const int64_t H = kpool.size(1), N = kpool.size(2), D = kpool.size(3), B = q.size(0);
+  TORCH_CHECK(layer >= 0 && layer < kpool.size(0) && first >= 0 && T <= size &&
+                  first + B * size <= N,
+              "the lanes lie outside the pool");
+  const int64_t M = q.numel() / (B * H * D), at = (layer * H * N + first) * D;
+  const auto es = kpool.element_size();
+  const Runs r{static_cast<const char*>(kpool.data_ptr()) + at * es,
+               static_cast<const char*>(vpool.data_ptr()) + at * es, size * D, N * D, T,
+               kpool.scalar_type()};
+  return runs_attention(q, B, H, M, D, r, lens, scale, 1, blocks);
+}
+
+// The new tokens' keys and values into their slots: k, v (B, H, T, D) float32 (any strides);
+// token t of row b into slot dst[b * T + t] of every head of layer `layer` of kpool, vpool
+// (L, H, N, D) contiguous, in their dtype. As PagedKVCache.attend's index_copy_, in one call
+void write_tokens(torch::Tensor kpool, torch::Tensor vpool, int64_t layer, torch::Tensor k,
+                  torch::Tensor v, torch::Tensor dst) {
+  TORCH_CHECK(kpool.dim() == 4 && kpool.is_contiguous() && vpool.is_contiguous() &&
+                  kpool.sizes() == vpool.sizes() && kpool.scalar_type() == vpool.scalar_type(),
+              "kpool and vpool must be contiguous (L, H, N, D) tensors of one shape and dtype");
+  const int64_t H = kpool.size(1), N = kpool.size(2), D = kpool.size(3);
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.size(1) == H && k.size(3) == D &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "k and v must be float32 (B, H, T, D) tensors of the pool's heads");
+  const int64_t B = k.size(0), T = k.size(2);
+  TORCH_CHECK(dst.scalar_type() == at::kLong && dst.is_contiguous() && dst.numel() == B * T,
+              "dst must be a contiguous int64 tensor of B * T slots");
+  TORCH_CHECK(layer >= 0 && layer < kpool.size(0), "layer out of range");
+  const int64_t* dp = dst.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i)
+    TORCH_CHECK(dp[i] >= 0 && dp[i] < N, "a slot outside the pool");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kpool.scalar_type(), "write", [&] {
+    for (const auto& pair : {std::make_pair(kpool, k), std::make_pair(vpool, v)}) {
+      scalar_t* pool = pair.first.data_ptr<scalar_t>() + layer * H * N * D;
+      const auto& x = pair.second;
+      const float* xp = x.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t t = 0; t < T; ++t) {
+            const float* src = xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
+            scalar_t* to = pool + (h * N + dp[b * T + t]) * D;
+            for (int64_t d = 0; d < D; ++d) to[d] = static_cast<scalar_t>(src[d * x.stride(3)]);
+          }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the interface's version, bumped with a signature: sparse_decode_cpu.cpu_kernel refuses a
   // build of another one (torch's build cache is named by the kernel, not by its source)
-  m.attr("version") = 3;
+  m.attr("version") = 4;
   m.def("sparse_decode", &sparse_decode, "block-sparse decode attention over a paged pool");
   m.def("select_pages", &select_pages, "page selection over centroid or Quest scores");
   m.def("attend_runs", &attend_runs, "dense decode and verify attention over contiguous runs");
+  m.def("attend_lanes", &attend_lanes, "dense decode attention on the lanes, read in the pool");
+  m.def("write_tokens", &write_tokens, "new tokens' keys and values into their pool slots");
 }

@@ -8,6 +8,8 @@ reference (same contract: q (B, H_q, D), a paged cache, page tables, the selecte
     out, lse = attend_runs_cpu(q4, k, v, lens)   # dense decode over contiguous runs (lanes)
     out, lse = attend_runs_cpu(qv, k, v, lens, tail=T)   # a verify's G * T queries, causal on
                                                          # the last T keys (its new tokens)
+    out = attend_lanes_cpu(q, k_pool, v_pool, layer, first, size, T, lens)  # the same, no views
+    write_tokens_cpu(k_pool, v_pool, layer, k, v, dst)   # new tokens' K and V into their slots
     python -m zeros_kernels.sparse_decode_cpu    # decode vs verify, ns per key (1 thread)
 
 What it does:
@@ -26,6 +28,10 @@ What it does:
        last T keys are its new tokens, causal) and any M > 8 queries go in blocks of 32 keys, each
        read once for all M queries as two small GEMMs (Q K^T, then P V), the causal mask on the
        block that holds the new tokens; attend_runs_ref is its plain PyTorch reference.
+    5. attend_lanes_cpu and write_tokens_cpu: a decode step's lanes read, and its new tokens'
+       K and V written, straight from the pool's shape and offsets: the engine's step calls each
+       once a layer in place of about twenty small ops (views, index_copy_, casts) around
+       attend_runs_cpu, the fixed cost a small model's step pays outside attention.
 
 Simplifications:
     1. The gather path reads the unread tail of a partial page, so the cache must hold finite
@@ -65,7 +71,7 @@ DECODE_BLOCKS_FROM = 512
 
 
 # sparse_decode_cpu.cpp's interface version (its `version`), which cpu_kernel checks
-KERNEL_VERSION = 3
+KERNEL_VERSION = 4
 
 
 # the stored score of a page that was not full when scored (the C++ kernel's kUnscored): it is read
@@ -193,6 +199,32 @@ def attend_runs_cpu(q, k, v, lens=None, scale=None, tail=1):
     res = ext.attend_runs(q.float().contiguous(), k, v, lens, D ** -0.5 if scale is None else scale,
                           tail, blocks)
     return tuple(res) if res else None
+
+
+def attend_lanes_cpu(q, k_pool, v_pool, layer, first, size, T, lens=None):
+    """attend_runs_cpu over the engine's lanes without views: row b's keys of KV head h in
+    `layer` are the first lens[b] (None: T) of the T token slots from first + b * size of
+    k_pool, v_pool (L, H_kv, N, D) (kvcache's pool). q (B, H_q, 1, D) float32 contiguous, a decode
+    step's queries. -> out (B, H_q, 1, D) float32, or None where attend_runs_cpu would give None
+    (the caller takes that path). One C++ call where the views cost about ten ops a layer."""
+    ext, D = cpu_kernel(), q.shape[-1]
+    if (ext is None or q.is_cuda or q.dtype != torch.float32 or not q.is_contiguous()
+            or k_pool.dtype != torch.float32):  # a bf16 pool: q rounds to it first (the views' path)
+        return None
+    blocks = BLOCKS and (q.shape[1] // k_pool.shape[1] > 8 or T >= DECODE_BLOCKS_FROM)
+    res = ext.attend_lanes(q, k_pool, v_pool, layer, first, size, T, lens, D ** -0.5, blocks)
+    return res[0] if res else None
+
+
+def write_tokens_cpu(k_pool, v_pool, layer, k, v, dst):
+    """The new tokens' K and V (B, H_kv, T, D) float32 into slots dst (B * T,) int64 (token t of
+    row b: dst[b * T + t]) of `layer` of k_pool, v_pool (L, H_kv, N, D): kvcache's two
+    index_copy_ calls in one C++ call. -> False where the kernel is missing (nothing written)."""
+    ext = cpu_kernel()
+    if ext is None or k.is_cuda or k.dtype != torch.float32 or dst.dtype != torch.long:
+        return False
+    ext.write_tokens(k_pool, v_pool, layer, k, v, dst)
+    return True
 
 
 def attend_runs_ref(q, k, v, lens=None, scale=None, tail=1):
