@@ -15,6 +15,9 @@ layers; each as ms and as a multiple of the decode step's. Then the ceiling: the
 FLOP rate (4 D FLOPs a query and key: Q K^T and P V) against this core's fp32 GEMM rate
 (bench/cost.py's machine_rates), and the verify at that rate, its floor, as a multiple of the
 decode step as measured: where the floor is under 1.3x, the kernel, not the CPU, holds the goal.
+Last, both at their roofline floor (the verify's FLOPs at the GEMM rate, or its bytes at the read
+bandwidth if more; the decode step's bytes, K and V once, at the read bandwidth): the ratio no
+pair of kernels on this CPU can beat, whatever they are made of.
 
 Simplifications:
     1. No model: a one-call lanes cache (kvcache.PagedKVCache, pages of 16, fp32: the CPU's KV
@@ -92,15 +95,15 @@ def run(quick, cmd):
     torch.set_num_threads(1)
     contexts, shapes = ((1024,), list(SHAPES)[:1]) if quick else ((1024, 2048, 4096), SHAPES)
     rounds, gen = 3 if quick else 7, torch.Generator().manual_seed(0)
-    flops = machine_rates()[0]
+    flops, bw = machine_rates()
     lines = [f"Hardware: {hardware()}. Command: `{cmd}`. Attention alone, 1 thread: {ROWS} rows, "
              f"k = {K} drafts (a verify of {K + 1} tokens a row), {LAYERS} layers, fp32 KV in "
              f"lanes, pages of {PAGE}; thread CPU ms summed over the layers, fastest of {rounds} "
              f"rounds, the arms taking turns. GEMM rate: an fp32 2048 x 2048 matmul, "
-             f"{flops / 1e9:.0f} GFLOP/s.", "",
+             f"{flops / 1e9:.0f} GFLOP/s; read bandwidth: summing 256 MB, {bw / 1e9:.1f} GB/s.", "",
              "| heads | cached tokens | decode step ms | verify before ms | verify ms "
              "| before / decode | verify / decode | verify GFLOP/s | verify at the GEMM rate / "
-             "decode |", "|---|---|---|---|---|---|---|---|---|"]
+             "decode | both at their floor |", "|---|---|---|---|---|---|---|---|---|---|"]
     try:
         for name in shapes:
             for n in contexts:
@@ -108,9 +111,11 @@ def run(quick, cmd):
                 d, b, a = ms["decode"], ms["verify, before"], ms["verify"]
                 H, G, D = SHAPES[name]  # each of G (k + 1) queries against n + k + 1 keys
                 work = ROWS * H * LAYERS * G * (K + 1) * (n + K + 1) * 4 * D
+                kv = lambda T: ROWS * H * LAYERS * (n + T) * 2 * D * 4  # bytes of K and V read
+                floor = max(work / flops, kv(K + 1) / bw) / (kv(1) / bw)
                 lines.append(f"| {name} | {n} | {d:.2f} | {b:.2f} | {a:.2f} | {b / d:.2f}x "
                              f"| {a / d:.2f}x | {work / a / 1e6:.0f} "
-                             f"| {1e3 * work / flops / d:.2f}x |")
+                             f"| {1e3 * work / flops / d:.2f}x | {floor:.2f}x |")
                 print(lines[-1], flush=True)
     finally:
         torch.set_num_threads(threads)
