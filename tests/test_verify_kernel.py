@@ -141,21 +141,25 @@ def test_a_build_of_another_version_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("D", [32, 64, 128])
-def test_a_long_decode_lane_reads_keys_in_blocks_and_equals_the_reference(kernel, D, monkeypatch):
-    """A decode step (tail 1, G queries) over a lane of DECODE_BLOCKS_FROM keys or more takes the
-    block kernel (about three times faster on AVX2 at head dim 32), a shorter one the one-pass
-    kernel; both within 1e-5 of attend_runs_ref, rows of ragged lengths."""
+def test_a_decode_lane_takes_its_path_and_equals_the_reference(kernel, D, monkeypatch):
+    """A decode step (tail 1, G queries) takes attend_few (the keys across the lanes) at any
+    length; with FEW off, a lane of DECODE_BLOCKS_FROM keys or more takes the block kernel and a
+    shorter one the one-pass kernel (the paths before it). Each within 1e-5 of attend_runs_ref,
+    rows of ragged lengths (partial blocks of keys, a row of 7)."""
     ext, seen = cpu_path.cpu_kernel(), []
     spy = SimpleNamespace(version=ext.version, attend_runs=lambda *a: seen.append(a[-1])
                           or ext.attend_runs(*a))
     monkeypatch.setattr(cpu_path, "cpu_kernel", lambda: spy)
     gen = torch.Generator().manual_seed(D)
     B, H, G = 3, 2, 2
-    for N in (cpu_path.DECODE_BLOCKS_FROM - 40, cpu_path.DECODE_BLOCKS_FROM + 40):
-        k, v = lane_views(B, H, N, D, torch.float32, gen)
-        q = torch.randn(B, H, G, D, generator=gen)
-        lens = torch.tensor([N, N - 33, 7])
-        out, lse = cpu_path.attend_runs_cpu(q, k, v, lens)
-        ref_out, ref_lse = cpu_path.attend_runs_ref(q, k, v, lens)
-        assert (out - ref_out).abs().max() <= 1e-5 and (lse - ref_lse).abs().max() <= 1e-5
-    assert seen == [False, True]  # the one-pass kernel below the threshold, blocks from it on
+    for few in (True, False):
+        monkeypatch.setattr(cpu_path, "FEW", few)
+        for N in (cpu_path.DECODE_BLOCKS_FROM - 40, cpu_path.DECODE_BLOCKS_FROM + 40):
+            k, v = lane_views(B, H, N, D, torch.float32, gen)
+            q = torch.randn(B, H, G, D, generator=gen)
+            lens = torch.tensor([N, N - 33, 7])
+            out, lse = cpu_path.attend_runs_cpu(q, k, v, lens)
+            ref_out, ref_lse = cpu_path.attend_runs_ref(q, k, v, lens)
+            assert (out - ref_out).abs().max() <= 1e-5 and (lse - ref_lse).abs().max() <= 1e-5
+    few, blocks, online = cpu_path.FEW_PATH, cpu_path.BLOCK_PATH, cpu_path.ONLINE
+    assert seen == [few, few, online, blocks]

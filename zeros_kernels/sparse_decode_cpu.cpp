@@ -31,6 +31,11 @@
 // lanes. The T new tokens lie in the run right after the cached ones; a mask on the block(s)
 // holding them keeps each new token's query causal.
 //
+// A decode step's dense read has a third form, `Few`: its G <= 4 queries would fill 2 of 16 lanes in
+// attend_block's score GEMM, so there a block of 16 keys is transposed in the registers instead
+// (K^T: a vector holds one dimension of 16 keys) and every lane scores a key: a lane of fp32 keys
+// read at about the memory's speed.
+//
 // `attend_lanes` is attend_runs with the lanes found from the pool's shape and offsets instead of
 // views, and `write_tokens` puts a step's new keys and values into their slots: a small model's
 // decode step made about twenty PyTorch ops a layer of those (views, index_copy_, casts).
@@ -271,51 +276,6 @@ void attend_pages(const float* q, const T* k, const T* v, const Pages& pg, int64
 }
 
 }  // namespace
-
-// q (B, H, G, D) float32; k_rows, v_rows (rows, P * D); page_table (B, max_pages), seq_lens (B,),
-// sel (B, H, S), n_sel (B, H): contiguous int32, the Python contract; ks, kh, vs, vh: the row
-// strides of a page and a head in k_rows and v_rows (`page_rows`) -> (B, H, G, D) float32, or an
-// undefined tensor (None) where G or D has no instance here (the caller gathers the pages instead)
-torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_rows, torch::Tensor v_rows,
-                            torch::Tensor page_table, torch::Tensor seq_lens, torch::Tensor sel,
-                            torch::Tensor n_sel, int64_t P, int64_t ks, int64_t kh, int64_t vs,
-                            int64_t vh, double scale) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "q must be a contiguous float32 (B, H, G, D) tensor");
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = sel.size(2);
-  TORCH_CHECK(k_rows.scalar_type() == v_rows.scalar_type(), "K and V must share a dtype");
-  for (const auto& t : {k_rows, v_rows})
-    TORCH_CHECK(t.dim() == 2 && t.size(1) == P * D && t.stride(0) == P * D && t.stride(1) == 1,
-                "k_rows and v_rows must be (rows, page_size * D) with contiguous rows");
-  for (const auto& t : {page_table, seq_lens, sel, n_sel})
-    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(),
-                "page_table, seq_lens, sel and n_sel must be contiguous int32");
-  if (!with_shape(G, D, [](auto, auto) {})) return torch::Tensor();
-  const int64_t max_pages = page_table.size(1);
-  auto out = torch::empty({B, H, G, D}, q.options());
-  const int32_t *tab = page_table.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
-  const int32_t *sl = sel.data_ptr<int32_t>(), *ns = n_sel.data_ptr<int32_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_rows.scalar_type(), "sparse", [&] {
-    const scalar_t *k = k_rows.data_ptr<scalar_t>(), *v = v_rows.data_ptr<scalar_t>();
-    const float* qp = q.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / H;
-        const Pages pg{sl + bh * S, std::min<int64_t>(ns[bh], S), tab + b * max_pages, lens[b], P,
-                       bh % H};
-        const float* qb = qp + bh * G * D;
-        float* ob = op + bh * G * D;
-        const float sc = static_cast<float>(scale);
-        with_shape(G, D, [&](auto m, auto d) {
-          attend_pages<scalar_t, decltype(m)::value, decltype(d)::value>(qb, k, v, pg, ks, kh, vs,
-                                                                        vh, sc, ob);
-        });
-      }
-    });
-  });
-  return out;
-}
 
 namespace {
 
@@ -624,6 +584,169 @@ void with_mv(int64_t MV, F&& f) {
   }
 }
 
+// ---- few queries a key (a decode step): the keys across the lanes
+//
+// A decode step brings G <= 4 queries a KV head. attend_block puts the queries across the vector
+// lanes, so 2 queries fill 2 of 16 and the score GEMM computes 8x the work it needs; `Online` sums
+// across the lanes once for every key and query. Here a block of kW keys is transposed in the
+// registers (K^T: a vector holds one dimension of kW keys), so each query's scores for the block
+// are D FMAs with every lane used, the running softmax takes kW keys at a time, and P V adds each
+// key's value row. What is left per key is about what reading its K and V costs.
+
+// rows a (bit w of the row clear) and b = the row w further: the lanes with bit w swap over, so
+// that after w = 1, 2, 4 (and 8) the kW rows are transposed
+template <int W>
+inline void swap_lanes(vecw& a, vecw& b) {
+#if defined(__AVX512F__)
+  vecw lo, hi;
+  if constexpr (W == 1) {
+    lo = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    hi = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  } else if constexpr (W == 2) {
+    lo = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    hi = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  } else if constexpr (W == 4) {
+    lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  } else {
+    lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    hi = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+#else
+  vecw lo, hi;
+  if constexpr (W == 1) {
+    lo = __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14);
+    hi = __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+  } else if constexpr (W == 2) {
+    lo = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
+    hi = __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  } else {
+    lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11);
+    hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+#endif
+  a = lo;
+  b = hi;
+}
+
+template <int W>
+inline void swap_stage(vecw* r) {
+  for (int i = 0; i < kW; ++i)
+    if (!(i & W)) swap_lanes<W>(r[i], r[i + W]);
+}
+
+// r[t] lane d -> r[d] lane t: kW vectors, in place
+inline void transpose(vecw* r) {
+  swap_stage<1>(r);
+  swap_stage<2>(r);
+  swap_stage<4>(r);
+#if defined(__AVX512F__)
+  swap_stage<8>(r);
+#endif
+}
+
+template <typename T>
+inline vecw ldw_as_float(const T* p) {
+  if constexpr (std::is_same<T, float>::value) {
+    return ldw(p);
+  } else {
+    vecw r;
+    for (int i = 0; i < kW; ++i) r[i] = static_cast<float>(p[i]);
+    return r;
+  }
+}
+
+inline float hmaxw(vecw a) {
+  float m = a[0];
+  for (int i = 1; i < kW; ++i) m = std::max(m, a[i]);
+  return m;
+}
+inline float hsumw(vecw a) {
+  float s = 0.f;
+  for (int i = 0; i < kW; ++i) s += a[i];
+  return s;
+}
+
+// The running attention of M <= 4 queries (M, D) over blocks of at most kW keys, the keys across
+// the lanes (flash-decoding's softmax, as `Online`): `add` takes a block of keys and values as
+// pointers to their rows (contiguous in a run, or from anywhere), `finish` gives the output
+// and log-sum-exp (no key: zeros and -inf)
+template <typename T, int M, int D>
+struct Few {
+  static constexpr int C = D / kW;
+  float qs[M][D], p[M][kW], mx[M], sum[M];
+  vecw acc[M][C];
+  veci lane;
+
+  Few(const float* q, float scale) {
+    for (int m = 0; m < M; ++m) {
+      for (int d = 0; d < D; ++d) qs[m][d] = q[m * D + d] * scale;
+      for (int c = 0; c < C; ++c) acc[m][c] = vecw{};
+      mx[m] = kMasked;
+      sum[m] = 0.f;
+    }
+    for (int i = 0; i < kW; ++i) lane[i] = i;
+  }
+
+  void add(const T* const* k, const T* const* v, int64_t nb) {  // 1 <= nb <= kW keys
+    vecw s[M] = {};
+    for (int c = 0; c < C; ++c) {  // scores: kW dims of the block's keys at a time, transposed
+      vecw r[kW];
+      for (int t = 0; t < kW; ++t) r[t] = t < nb ? ldw_as_float(k[t] + c * kW) : vecw{};
+      transpose(r);
+      for (int d = 0; d < kW; ++d)
+        for (int m = 0; m < M; ++m) s[m] += qs[m][c * kW + d] * r[d];
+    }
+    for (int m = 0; m < M; ++m) {  // the running softmax, kW keys at once
+      const vecw x = nb < kW ? (lane < static_cast<int32_t>(nb) ? s[m] : vecw{} + kMasked) : s[m];
+      const float bm = std::max(mx[m], hmaxw(x));
+      const float alpha = exp_nonpositive(mx[m] - bm);
+      const vecw w = vexp(x - bm);
+      stw(p[m], w);
+      sum[m] = sum[m] * alpha + hsumw(w);
+      mx[m] = bm;
+      for (int c = 0; c < C; ++c) acc[m][c] *= alpha;
+    }
+    for (int64_t t = 0; t < nb; ++t) {  // P V: each key's value row, weighted for every query
+      vecw vr[C];
+      for (int c = 0; c < C; ++c) vr[c] = ldw_as_float(v[t] + c * kW);
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) acc[m][c] += p[m][t] * vr[c];
+    }
+  }
+
+  void finish(float* o, float* lse) const {
+    for (int m = 0; m < M; ++m) {
+      const float inv = sum[m] > 0.f ? 1.f / sum[m] : 0.f;
+      for (int c = 0; c < C; ++c) stw(o + m * D + c * kW, acc[m][c] * inv);
+      if (lse) lse[m] = sum[m] > 0.f ? mx[m] + std::log(sum[m]) : -INFINITY;
+    }
+  }
+};
+
+// Few over n contiguous keys and values (n, D) of one (row, KV head): a lane
+template <typename T, int M, int D>
+void attend_few(const float* q, const T* k, const T* v, int64_t n, float scale, float* o,
+                float* lse) {
+  Few<T, M, D> f(q, scale);
+  const T *kr[kW], *vr[kW];
+  for (int64_t t0 = 0; t0 < n; t0 += kW) {
+    const int64_t nb = std::min<int64_t>(kW, n - t0);
+    for (int64_t t = 0; t < nb; ++t) {
+      kr[t] = k + (t0 + t) * D;
+      vr[t] = v + (t0 + t) * D;
+    }
+    f.add(kr, vr, nb);
+  }
+  f.finish(o, lse);
+}
+
+// f(M, D) for the shapes attend_few has: M 1 to 4, D 32, 64 or 128; false: none
+template <typename F>
+bool with_few(int64_t M, int64_t D, F&& f) {
+  return M <= 4 && D % kW == 0 && with_shape(M, D, f);
+}
+
 // Each (row, KV head)'s keys and values as one contiguous run: row b, head h at k + b * sb + h * sh
 // (elements), T tokens of D each
 struct Runs {
@@ -637,18 +760,22 @@ struct Runs {
 // (row, KV head)s, float32 and contiguous, query m of (b, h) at ((b * H + h) * M + m) * D; lens
 // (B,) int32 or int64 keys of each row (an undefined tensor: all T). tail = T > 1: a verify, its
 // M = G * T queries ordered g * T + i, the last T of a row's keys its new tokens, seen causally.
-// blocks: all M queries through attend_block (the caller sets it for a verify, more than 8
-// queries or a long lane; false: `Online` in chunks, tail 1 only). -> [out (q's shape) float32,
-// lse (B, H, M) float32], or [] where there is no instance (`Online`: a head dim not in 32, 64,
-// 128; blocks: not a multiple of kW): the caller falls back
+// path: kFew, attend_few (a decode step: at most 4 queries, tail 1); kBlocks, all M queries
+// through attend_block (a verify, more than 8 queries); kOnline, `Online` in chunks (tail 1; the
+// decode path before kFew). -> [out (q's shape) float32, lse (B, H, M) float32], or [] where the
+// path has no instance (kFew: M > 4 or a head dim not in 32, 64, 128; kOnline: a head dim not in
+// those; kBlocks: not a multiple of kW): the caller falls back
+constexpr int64_t kOnline = 0, kBlocks = 1, kFew = 2;
+
 std::vector<torch::Tensor> runs_attention(const torch::Tensor& q, int64_t B, int64_t H, int64_t M,
                                           int64_t D, const Runs& r,
                                           const c10::optional<torch::Tensor>& lens, double scale,
-                                          int64_t tail, bool blocks) {
+                                          int64_t tail, int64_t path) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.numel() == B * H * M * D,
               "q must be a contiguous float32 tensor of B * H * M * D floats");
-  TORCH_CHECK(tail >= 1 && M % tail == 0 && (blocks || tail == 1),
-              "tail must divide the queries M = G * T, and needs blocks");
+  TORCH_CHECK(tail >= 1 && M % tail == 0 && (path == kBlocks || tail == 1),
+              "tail must divide the queries M = G * T, and needs the blocks' path");
+  const bool blocks = path == kBlocks, few = path == kFew;
   const int32_t* lp32 = nullptr;
   const int64_t* lp64 = nullptr;
   if (lens.has_value() && lens->defined()) {
@@ -660,7 +787,8 @@ std::vector<torch::Tensor> runs_attention(const torch::Tensor& q, int64_t B, int
   }
   // blocks (the caller's choice, sparse_decode_cpu.attend_runs_cpu: a verify, more queries than
   // one decode instance holds, or a long context): blocks of keys for all M queries
-  if (blocks ? D % kW != 0 : !with_shape(1, D, [](auto, auto) {})) return {};
+  const auto none = [](auto, auto) {};
+  if (blocks ? D % kW != 0 : few ? !with_few(M, D, none) : !with_shape(1, D, none)) return {};
   // the block kernel's passes: at most kMaxMV vectors of queries each, as even as lanes allow
   const int64_t passes = (M + kMaxMV * kW - 1) / (kMaxMV * kW);
   const int64_t per = ((M + passes - 1) / passes + kW - 1) / kW * kW;
@@ -678,6 +806,13 @@ std::vector<torch::Tensor> runs_attention(const torch::Tensor& q, int64_t B, int
         const int64_t b = bh / H, h = bh % H;
         const int64_t n = lp32 ? std::min<int64_t>(lp32[b], T_) : lp64 ? std::min(lp64[b], T_) : T_;
         const scalar_t *kr = kp + b * r.sb + h * r.sh, *vr = vp + b * r.sb + h * r.sh;
+        if (few) {
+          with_few(M, D, [&](auto m, auto d) {
+            attend_few<scalar_t, decltype(m)::value, decltype(d)::value>(
+                qp + bh * M * D, kr, vr, n, sc, op + bh * M * D, lsp + bh * M);
+          });
+          continue;
+        }
         for (int64_t m0 = 0; blocks && m0 < M; m0 += per) {
           const int64_t mc = std::min(per, M - m0);
           with_mv((mc + kW - 1) / kW, [&](auto mv) {
@@ -688,7 +823,7 @@ std::vector<torch::Tensor> runs_attention(const torch::Tensor& q, int64_t B, int
         }
         // a decode step: the M queries in chunks that have an instance (8, 4, 3, 2, 1), each
         // chunk reading the run while the one before left it in cache
-        for (int64_t m0 = 0; !blocks && m0 < M;) {
+        for (int64_t m0 = 0; path == kOnline && m0 < M;) {
           const int64_t mc = M - m0 >= 8 ? 8 : M - m0 >= 4 ? 4 : M - m0;
           with_shape(mc, D, [&](auto m, auto d) {
             constexpr int MM = decltype(m)::value, DD = decltype(d)::value;
@@ -706,11 +841,59 @@ std::vector<torch::Tensor> runs_attention(const torch::Tensor& q, int64_t B, int
 
 }  // namespace
 
+// q (B, H, G, D) float32; k_rows, v_rows (rows, P * D); page_table (B, max_pages), seq_lens (B,),
+// sel (B, H, S), n_sel (B, H): contiguous int32, the Python contract; ks, kh, vs, vh: the row
+// strides of a page and a head in k_rows and v_rows (`page_rows`) -> (B, H, G, D) float32, or an
+// undefined tensor (None) where G or D has no instance here (the caller gathers the pages
+// instead). The pages go through `Online`: `Few` (above), which reads a dense lane twice as
+// fast, read 1/8 or 1/4 of the pages of 16 tokens 1.1-1.3x slower than it in the engine (pages
+// at random: their memory's latency, not the arithmetic, bounds that read)
+torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_rows, torch::Tensor v_rows,
+                            torch::Tensor page_table, torch::Tensor seq_lens, torch::Tensor sel,
+                            torch::Tensor n_sel, int64_t P, int64_t ks, int64_t kh, int64_t vs,
+                            int64_t vh, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "q must be a contiguous float32 (B, H, G, D) tensor");
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = sel.size(2);
+  TORCH_CHECK(k_rows.scalar_type() == v_rows.scalar_type(), "K and V must share a dtype");
+  for (const auto& t : {k_rows, v_rows})
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == P * D && t.stride(0) == P * D && t.stride(1) == 1,
+                "k_rows and v_rows must be (rows, page_size * D) with contiguous rows");
+  for (const auto& t : {page_table, seq_lens, sel, n_sel})
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(),
+                "page_table, seq_lens, sel and n_sel must be contiguous int32");
+  if (!with_shape(G, D, [](auto, auto) {})) return torch::Tensor();
+  const int64_t max_pages = page_table.size(1);
+  auto out = torch::empty({B, H, G, D}, q.options());
+  const int32_t *tab = page_table.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
+  const int32_t *sl = sel.data_ptr<int32_t>(), *ns = n_sel.data_ptr<int32_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_rows.scalar_type(), "sparse", [&] {
+    const scalar_t *k = k_rows.data_ptr<scalar_t>(), *v = v_rows.data_ptr<scalar_t>();
+    const float* qp = q.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H;
+        const Pages pg{sl + bh * S, std::min<int64_t>(ns[bh], S), tab + b * max_pages, lens[b], P,
+                       bh % H};
+        const float* qb = qp + bh * G * D;
+        float* ob = op + bh * G * D;
+        const float sc = static_cast<float>(scale);
+        with_shape(G, D, [&](auto m, auto d) {
+          attend_pages<scalar_t, decltype(m)::value, decltype(d)::value>(qb, k, v, pg, ks, kh, vs,
+                                                                        vh, sc, ob);
+        });
+      }
+    });
+  });
+  return out;
+}
+
 // runs_attention over k, v (B, H, T, D) views with any row and head strides and contiguous
 // tokens; q (B, H, M, D) float32 contiguous
 std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                        c10::optional<torch::Tensor> lens, double scale,
-                                       int64_t tail, bool blocks) {
+                                       int64_t tail, int64_t path) {
   TORCH_CHECK(q.dim() == 4, "q must be a (B, H, M, D) tensor");
   const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3);
   for (const auto& t : {k, v})
@@ -720,7 +903,7 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
   TORCH_CHECK(k.stride(0) == v.stride(0) && k.stride(1) == v.stride(1),
               "k and v must have the same strides");
   const Runs r{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.size(2), k.scalar_type()};
-  return runs_attention(q, B, H, M, D, r, lens, scale, tail, blocks);
+  return runs_attention(q, B, H, M, D, r, lens, scale, tail, path);
 }
 
 // A decode step's dense attention on the engine's lanes, read where they lie in the pool:
@@ -730,7 +913,7 @@ std::vector<torch::Tensor> attend_runs(torch::Tensor q, torch::Tensor k, torch::
 std::vector<torch::Tensor> attend_lanes(torch::Tensor q, torch::Tensor kpool, torch::Tensor vpool,
                                         int64_t layer, int64_t first, int64_t size, int64_t T,
                                         c10::optional<torch::Tensor> lens, double scale,
-                                        bool blocks) {
+                                        int64_t path) {
   TORCH_CHECK(kpool.dim() == 4 && kpool.is_contiguous() && vpool.is_contiguous() &&
                   kpool.sizes() == vpool.sizes() && kpool.scalar_type() == vpool.scalar_type(),
               "kpool and vpool must be contiguous (L, H, N, D) tensors of one shape and dtype");
@@ -743,7 +926,7 @@ std::vector<torch::Tensor> attend_lanes(torch::Tensor q, torch::Tensor kpool, to
   const Runs r{static_cast<const char*>(kpool.data_ptr()) + at * es,
                static_cast<const char*>(vpool.data_ptr()) + at * es, size * D, N * D, T,
                kpool.scalar_type()};
-  return runs_attention(q, B, H, M, D, r, lens, scale, 1, blocks);
+  return runs_attention(q, B, H, M, D, r, lens, scale, 1, path);
 }
 
 // The new tokens' keys and values into their slots: k, v (B, H, T, D) float32 (any strides);
@@ -784,7 +967,7 @@ void write_tokens(torch::Tensor kpool, torch::Tensor vpool, int64_t layer, torch
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the interface's version, bumped with a signature: sparse_decode_cpu.cpu_kernel refuses a
   // build of another one (torch's build cache is named by the kernel, not by its source)
-  m.attr("version") = 4;
+  m.attr("version") = 5;
   m.def("sparse_decode", &sparse_decode, "block-sparse decode attention over a paged pool");
   m.def("select_pages", &select_pages, "page selection over centroid or Quest scores");
   m.def("attend_runs", &attend_runs, "dense decode and verify attention over contiguous runs");

@@ -28,7 +28,12 @@ What it does:
        last T keys are its new tokens, causal) and any M > 8 queries go in blocks of 32 keys, each
        read once for all M queries as two small GEMMs (Q K^T, then P V), the causal mask on the
        block that holds the new tokens; attend_runs_ref is its plain PyTorch reference.
-    5. attend_lanes_cpu and write_tokens_cpu: a decode step's lanes read, and its new tokens'
+    5. A dense decode step (tail 1, at most 4 queries a KV head, head dim 32, 64 or 128) takes
+       neither: `Few` transposes each block of 16 keys in the registers, so every vector lane
+       scores a key (in blocks the G = 2 queries fill 2 lanes of 16; `Online` sums across the
+       lanes for every key). About 2x faster a key than either (`python -m
+       zeros_kernels.sparse_decode_cpu`); FEW = False gives the paths before it.
+    6. attend_lanes_cpu and write_tokens_cpu: a decode step's lanes read, and its new tokens'
        K and V written, straight from the pool's shape and offsets: the engine's step calls each
        once a layer in place of about twenty small ops (views, index_copy_, casts) around
        attend_runs_cpu, the fixed cost a small model's step pays outside attention.
@@ -70,8 +75,26 @@ BLOCKS = True
 DECODE_BLOCKS_FROM = 512
 
 
+# a dense decode step on the lanes (at most 4 queries a KV head, head dim 32, 64 or 128) reads its
+# keys with the keys across the vector lanes (`Few`: a block of keys transposed in the registers,
+# every lane used); False: the paths before it, one-pass `Online` or blocks from
+# DECODE_BLOCKS_FROM keys (the kernel bench's "before" arms). Sparse decode keeps `Online`
+FEW = True
+
+# attend_runs' paths (sparse_decode_cpu.cpp's kOnline, kBlocks, kFew)
+ONLINE, BLOCK_PATH, FEW_PATH = 0, 1, 2
+
+
+def run_path(M, D, T, tail):
+    """The C++ path for M queries a KV head over lanes of T keys: FEW_PATH for a decode step's few
+    queries, BLOCK_PATH for a verify, more than 8 queries or a long lane, else ONLINE."""
+    if FEW and tail == 1 and M <= 4 and D in (32, 64, 128):
+        return FEW_PATH
+    return BLOCK_PATH if BLOCKS and (tail > 1 or M > 8 or T >= DECODE_BLOCKS_FROM) else ONLINE
+
+
 # sparse_decode_cpu.cpp's interface version (its `version`), which cpu_kernel checks
-KERNEL_VERSION = 4
+KERNEL_VERSION = 5
 
 
 # the stored score of a page that was not full when scored (the C++ kernel's kUnscored): it is read
@@ -195,9 +218,8 @@ def attend_runs_cpu(q, k, v, lens=None, scale=None, tail=1):
             or k.dtype != v.dtype or (tail > 1 and not BLOCKS)):
         return None
     lens = None if lens is None else lens.int().contiguous()
-    blocks = BLOCKS and (tail > 1 or q.shape[2] > 8 or k.shape[2] >= DECODE_BLOCKS_FROM)
     res = ext.attend_runs(q.float().contiguous(), k, v, lens, D ** -0.5 if scale is None else scale,
-                          tail, blocks)
+                          tail, run_path(q.shape[2], D, k.shape[2], tail))
     return tuple(res) if res else None
 
 
@@ -211,8 +233,8 @@ def attend_lanes_cpu(q, k_pool, v_pool, layer, first, size, T, lens=None):
     if (ext is None or q.is_cuda or q.dtype != torch.float32 or not q.is_contiguous()
             or k_pool.dtype != torch.float32):  # a bf16 pool: q rounds to it first (the views' path)
         return None
-    blocks = BLOCKS and (q.shape[1] // k_pool.shape[1] > 8 or T >= DECODE_BLOCKS_FROM)
-    res = ext.attend_lanes(q, k_pool, v_pool, layer, first, size, T, lens, D ** -0.5, blocks)
+    path = run_path(q.shape[1] // k_pool.shape[1], D, T, 1)
+    res = ext.attend_lanes(q, k_pool, v_pool, layer, first, size, T, lens, D ** -0.5, path)
     return res[0] if res else None
 
 
@@ -247,31 +269,34 @@ def attend_runs_ref(q, k, v, lens=None, scale=None, tail=1):
 
 
 def _bench(B=8, T=9, contexts=(1024, 2048, 4096), shapes=((2, 2, 32), (8, 2, 128)), rounds=5):
-    """ns per cached key and KV head, 1 thread: a decode step's G queries against a verify's
-    G * T, in blocks (after) and in the decode kernel's chunks of 8 (before: its cached part only,
-    the T x T part apart); K and V fp32 in lanes, 64 MB of them (layers), read from memory."""
+    """ns per cached key and KV head, 1 thread: a decode step's G queries (Few, and in blocks, its
+    path before) against a verify's G * T, in blocks and in the decode kernel's chunks of 8 (its
+    path before: its cached part only, the T x T part apart); K and V fp32 in lanes, 64 MB of them
+    (layers), read from memory."""
     torch.set_num_threads(1)
-    global BLOCKS
+    global BLOCKS, FEW
     for H, G, D in shapes:
         for n in contexts:
             L = max(1, (64 << 20) // (2 * B * H * n * D * 4))  # layers that make 64 MB of K and V
             kv = [[torch.randn(H, B, n + 64, D).transpose(0, 1) for _ in "kv"] for _ in range(L)]
             lens = torch.full((B,), n)
             q1, qT = torch.randn(B, H, G, D), torch.randn(B, H, G * T, D)
-            arms = {"decode": (q1, 0, 1, True), "verify, blocks": (qT, T, T, True),
-                    "verify, chunks": (qT, 0, 1, False)}
+            # (queries, new tokens, tail, FEW, BLOCKS)
+            arms = {"decode": (q1, 0, 1, True, True), "decode, blocks": (q1, 0, 1, False, True),
+                    "verify, blocks": (qT, T, T, True, True),
+                    "verify, chunks": (qT, 0, 1, True, False)}
             best = dict.fromkeys(arms, math.inf)
             for _ in range(rounds):  # the arms take turns: a machine's load hits them all
-                for arm, (q, new, tail, blocks) in arms.items():
-                    BLOCKS = blocks
+                for arm, (q, new, tail, FEW, BLOCKS) in arms.items():
                     t0 = time.perf_counter()
                     for k, v in kv:
                         k, v = k[:, :, :n + new], v[:, :, :n + new]
                         attend_runs_cpu(q, k, v, lens + new, tail=tail)
                     best[arm] = min(best[arm], (time.perf_counter() - t0) / (L * B * H * n))
-            BLOCKS = True
+            FEW = BLOCKS = True
             print(f"H_kv {H}, G {G}, D {D}, {n} keys: " + ", ".join(
                 f"{a} {t * 1e9:.1f} ns" for a, t in best.items())
+                + f"; decode, blocks / decode {best['decode, blocks'] / best['decode']:.2f}x"
                 + f"; verify / decode {best['verify, blocks'] / best['decode']:.2f}x")
 
 
