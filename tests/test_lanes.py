@@ -87,3 +87,22 @@ def test_decode_on_the_lanes_equals_the_views(kernel, monkeypatch, step):
     for a, b in (runs[:2], runs[2:]):
         assert torch.equal(a.tokens, b.tokens)
         assert (a.logp - b.logp).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,D", [(1, 32), (2, 32), (3, 64), (4, 128), (2, 128)])
+def test_the_few_path_equals_the_reference(kernel, M, D, dtype):
+    """The kernel's keys-across-the-lanes path (Few), called directly whatever run_path picks on
+    this CPU: within 1e-5 of attend_runs_ref (out and log-sum-exp) over rows whose lengths end
+    anywhere in a block of 16 keys, one row of a single key and one with none (zeros, -inf)."""
+    gen = torch.Generator().manual_seed(M * D)
+    B, H, T = 5, 2, 83
+    k, v = (torch.randn(H, B, T + 4, D, generator=gen).to(dtype)[:, :, :T].transpose(0, 1)
+            for _ in "kv")
+    q = torch.randn(B, H, M, D, generator=gen)
+    lens = torch.tensor([83, 50, 17, 1, 0], dtype=torch.int32)
+    out, lse = cpu_path.cpu_kernel().attend_runs(q, k, v, lens, D ** -0.5, 1, cpu_path.FEW_PATH)
+    want, want_lse = cpu_path.attend_runs_ref(q, k, v, lens)
+    assert (out - want).abs().max() <= 1e-5
+    assert (lse[:4] - want_lse[:4]).abs().max() <= 1e-5
+    assert (out[4] == 0).all() and torch.isinf(lse[4]).all() and (lse[4] < 0).all()

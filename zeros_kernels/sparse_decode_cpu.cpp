@@ -968,6 +968,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the interface's version, bumped with a signature: sparse_decode_cpu.cpu_kernel refuses a
   // build of another one (torch's build cache is named by the kernel, not by its source)
   m.attr("version") = 5;
+  m.attr("lanes") = kW;  // floats a vector register holds in this build: 16 (AVX-512) or 8
   m.def("sparse_decode", &sparse_decode, "block-sparse decode attention over a paged pool");
   m.def("select_pages", &select_pages, "page selection over centroid or Quest scores");
   m.def("attend_runs", &attend_runs, "dense decode and verify attention over contiguous runs");

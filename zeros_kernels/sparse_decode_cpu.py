@@ -29,10 +29,11 @@ What it does:
        read once for all M queries as two small GEMMs (Q K^T, then P V), the causal mask on the
        block that holds the new tokens; attend_runs_ref is its plain PyTorch reference.
     5. A dense decode step (tail 1, at most 4 queries a KV head, head dim 32, 64 or 128) takes
-       neither: `Few` transposes each block of 16 keys in the registers, so every vector lane
-       scores a key (in blocks the G = 2 queries fill 2 lanes of 16; `Online` sums across the
-       lanes for every key). About 2x faster a key than either (`python -m
-       zeros_kernels.sparse_decode_cpu`); FEW = False gives the paths before it.
+       the path that reads its shape fastest (run_path): `Few` transposes each block of 16 keys
+       in the registers, so every vector lane scores a key (in blocks the G = 2 queries fill 2
+       lanes of 16; `Online` sums across the lanes for every key), at head dim 32; `Online` at 64
+       and 128 on AVX-512. Each 2-3.6x faster a key than the blocks that long lanes took before
+       (`python -m zeros_kernels.sparse_decode_cpu`); FEW = False gives that rule back.
     6. attend_lanes_cpu and write_tokens_cpu: a decode step's lanes read, and its new tokens'
        K and V written, straight from the pool's shape and offsets: the engine's step calls each
        once a layer in place of about twenty small ops (views, index_copy_, casts) around
@@ -75,21 +76,26 @@ BLOCKS = True
 DECODE_BLOCKS_FROM = 512
 
 
-# a dense decode step on the lanes (at most 4 queries a KV head, head dim 32, 64 or 128) reads its
-# keys with the keys across the vector lanes (`Few`: a block of keys transposed in the registers,
-# every lane used); False: the paths before it, one-pass `Online` or blocks from
-# DECODE_BLOCKS_FROM keys (the kernel bench's "before" arms). Sparse decode keeps `Online`
+# a dense decode step on the lanes (at most 4 queries a KV head) takes the fastest of the three
+# paths for its shape (`run_path`, from `python -m zeros_kernels.sparse_decode_cpu` on an AMD EPYC
+# with AVX-512): `Few` (a block of keys transposed in the registers, every lane scoring a key) at
+# head dim 32, 8.4-10 ns a key against one-pass `Online`'s 10.8-11.8 and the blocks' 21-24;
+# `Online` at 64 and 128 (its sum across one 16-float register is cheap there: 14-45 ns a key
+# against Few's 16-88 and the blocks' 40-163). Where a vector holds 8 floats (AVX2) `Online`'s sum
+# spans two registers and Few takes every head dim (not measured there). False: the rule before
+# these measurements, blocks from DECODE_BLOCKS_FROM keys (the kernel bench's "before" arm)
 FEW = True
 
 # attend_runs' paths (sparse_decode_cpu.cpp's kOnline, kBlocks, kFew)
 ONLINE, BLOCK_PATH, FEW_PATH = 0, 1, 2
 
 
-def run_path(M, D, T, tail):
-    """The C++ path for M queries a KV head over lanes of T keys: FEW_PATH for a decode step's few
-    queries, BLOCK_PATH for a verify, more than 8 queries or a long lane, else ONLINE."""
+def run_path(M, D, T, tail, lanes=16):
+    """The C++ path for M queries a KV head over lanes of T keys, in a build whose vectors hold
+    `lanes` floats: a decode step's few queries as FEW says, a verify or more than 8 queries in
+    blocks, else the blocks from DECODE_BLOCKS_FROM keys and `Online` below."""
     if FEW and tail == 1 and M <= 4 and D in (32, 64, 128):
-        return FEW_PATH
+        return FEW_PATH if D == 32 or lanes < 16 else ONLINE
     return BLOCK_PATH if BLOCKS and (tail > 1 or M > 8 or T >= DECODE_BLOCKS_FROM) else ONLINE
 
 
@@ -218,8 +224,9 @@ def attend_runs_cpu(q, k, v, lens=None, scale=None, tail=1):
             or k.dtype != v.dtype or (tail > 1 and not BLOCKS)):
         return None
     lens = None if lens is None else lens.int().contiguous()
+    path = run_path(q.shape[2], D, k.shape[2], tail, getattr(ext, "lanes", 8))
     res = ext.attend_runs(q.float().contiguous(), k, v, lens, D ** -0.5 if scale is None else scale,
-                          tail, run_path(q.shape[2], D, k.shape[2], tail))
+                          tail, path)
     return tuple(res) if res else None
 
 
@@ -233,7 +240,7 @@ def attend_lanes_cpu(q, k_pool, v_pool, layer, first, size, T, lens=None):
     if (ext is None or q.is_cuda or q.dtype != torch.float32 or not q.is_contiguous()
             or k_pool.dtype != torch.float32):  # a bf16 pool: q rounds to it first (the views' path)
         return None
-    path = run_path(q.shape[1] // k_pool.shape[1], D, T, 1)
+    path = run_path(q.shape[1] // k_pool.shape[1], D, T, 1, getattr(ext, "lanes", 8))
     res = ext.attend_lanes(q, k_pool, v_pool, layer, first, size, T, lens, D ** -0.5, path)
     return res[0] if res else None
 
@@ -269,10 +276,10 @@ def attend_runs_ref(q, k, v, lens=None, scale=None, tail=1):
 
 
 def _bench(B=8, T=9, contexts=(1024, 2048, 4096), shapes=((2, 2, 32), (8, 2, 128)), rounds=5):
-    """ns per cached key and KV head, 1 thread: a decode step's G queries (Few, and in blocks, its
-    path before) against a verify's G * T, in blocks and in the decode kernel's chunks of 8 (its
-    path before: its cached part only, the T x T part apart); K and V fp32 in lanes, 64 MB of them
-    (layers), read from memory."""
+    """ns per cached key and KV head, 1 thread: a decode step's G queries (run_path's choice, and
+    the rule before it: blocks at these lengths) against a verify's G * T, in blocks and in the
+    decode kernel's chunks of 8 (its path before: its cached part only, the T x T part apart); K
+    and V fp32 in lanes, 64 MB of them (layers), read from memory."""
     torch.set_num_threads(1)
     global BLOCKS, FEW
     for H, G, D in shapes:
@@ -282,7 +289,7 @@ def _bench(B=8, T=9, contexts=(1024, 2048, 4096), shapes=((2, 2, 32), (8, 2, 128
             lens = torch.full((B,), n)
             q1, qT = torch.randn(B, H, G, D), torch.randn(B, H, G * T, D)
             # (queries, new tokens, tail, FEW, BLOCKS)
-            arms = {"decode": (q1, 0, 1, True, True), "decode, blocks": (q1, 0, 1, False, True),
+            arms = {"decode": (q1, 0, 1, True, True), "decode, before": (q1, 0, 1, False, True),
                     "verify, blocks": (qT, T, T, True, True),
                     "verify, chunks": (qT, 0, 1, True, False)}
             best = dict.fromkeys(arms, math.inf)
@@ -296,7 +303,7 @@ def _bench(B=8, T=9, contexts=(1024, 2048, 4096), shapes=((2, 2, 32), (8, 2, 128
             FEW = BLOCKS = True
             print(f"H_kv {H}, G {G}, D {D}, {n} keys: " + ", ".join(
                 f"{a} {t * 1e9:.1f} ns" for a, t in best.items())
-                + f"; decode, blocks / decode {best['decode, blocks'] / best['decode']:.2f}x"
+                + f"; decode, before / decode {best['decode, before'] / best['decode']:.2f}x"
                 + f"; verify / decode {best['verify, blocks'] / best['decode']:.2f}x")
 
 
