@@ -33,8 +33,10 @@
 //
 // A decode step's dense read has a third form, `Few`: its G <= 4 queries would fill 2 of 16 lanes in
 // attend_block's score GEMM, so there a block of 16 keys is transposed in the registers instead
-// (K^T: a vector holds one dimension of 16 keys) and every lane scores a key: a lane of fp32 keys
-// read at about the memory's speed.
+// (K^T: a vector holds one dimension of 16 keys) and every lane scores a key. The Python side
+// (run_path) picks per head dim: on AVX-512 Few at 32, `Online` at 64 and 128 (its one sum
+// across a register is cheap there); either reads a long lane of fp32 keys at about the memory's
+// speed, where the blocks took 2-3x that.
 //
 // `attend_lanes` is attend_runs with the lanes found from the pool's shape and offsets instead of
 // views, and `write_tokens` puts a step's new keys and values into their slots: a small model's

@@ -72,7 +72,8 @@ BLOCKS = True
 # AVX2 CPU (AMD EPYC) the blocks cut a step's attention about 3x at head dim 32 (`python -m bench
 # verifycost`'s decode column: 7.37 -> 2.68 ms at 1K keys, 27.79 -> 9.24 at 4K) and left head dim
 # 128 as it was. Shorter lanes keep the one-pass kernel: the default's contexts (under 150 tokens)
-# and their figures are unchanged
+# and their figures are unchanged. Since FEW (below) this holds only with FEW off and for 5-8
+# queries a KV head: measured on an AVX-512 CPU, the blocks were the slowest of the three paths
 DECODE_BLOCKS_FROM = 512
 
 
