@@ -29,8 +29,9 @@ What it holds:
        key; min and max keys for Quest), written once, when the page fills.
     3. Decode attention (`attend`): the new token's key and value go to the row's last page; dense
        on a CPU reads the lanes in place and each shared prompt once per group (merged by
-       log-sum-exp; lanes.py, the methods PagedKVCache takes from LaneAttention); sparse layers read the pages that `_select` picks (sparsity.select_pages over
-       the scorer's page scores, or the C++ kernel's one call), through `decode_attention`.
+       log-sum-exp; lanes.py, whose methods PagedKVCache takes from LaneAttention); sparse layers
+       read the pages that `_select` picks (sparsity.select_pages over the scorer's page scores,
+       or the C++ kernel's one call), through `decode_attention`.
     4. Rescoring (rescore_every = k > 1, centroid or Quest): the pages are scored once in every
        window of k decode steps, at a hashed offset (`rescores`: a fixed stride would alias with a
        task's rhythm), and the kept scores (L, N, H_kv, max_pages) serve the steps between; a

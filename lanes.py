@@ -42,7 +42,7 @@ class LaneAttention:
         causal mask of `begin_verify`."""
         B, H, T, D = k.shape
         t0 = self._tick(None, 0.0)
-        if not write_tokens_cpu(self.k, self.v, layer, k, v, self._dst):  # index_copy_: its reference
+        if not write_tokens_cpu(self.k, self.v, layer, k, v, self._dst):  # the reference:
             kp.index_copy_(1, self._dst, k.transpose(0, 1).reshape(H, B * T, D).to(kp.dtype))
             vp.index_copy_(1, self._dst, v.transpose(0, 1).reshape(H, B * T, D).to(vp.dtype))
         self._write_meta(layer, self._filled)

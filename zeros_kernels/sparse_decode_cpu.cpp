@@ -31,8 +31,8 @@
 // lanes. The T new tokens lie in the run right after the cached ones; a mask on the block(s)
 // holding them keeps each new token's query causal.
 //
-// A decode step's dense read has a third form, `Few`: its G <= 4 queries would fill 2 of 16 lanes in
-// attend_block's score GEMM, so there a block of 16 keys is transposed in the registers instead
+// A decode step's dense read has a third form, `Few`: its G <= 4 queries would fill 2 of 16 lanes
+// in attend_block's score GEMM, so there a block of 16 keys is transposed in the registers instead
 // (K^T: a vector holds one dimension of 16 keys) and every lane scores a key. The Python side
 // (run_path) picks per head dim: on AVX-512 Few at 32, `Online` at 64 and 128 (its one sum
 // across a register is cheap there); either reads a long lane of fp32 keys at about the memory's
@@ -612,7 +612,8 @@ inline void swap_lanes(vecw& a, vecw& b) {
     hi = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   } else {
     lo = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    hi = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    hi = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15,  //
+                                 24, 25, 26, 27, 28, 29, 30, 31);
   }
 #else
   vecw lo, hi;

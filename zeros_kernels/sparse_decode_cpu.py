@@ -215,10 +215,11 @@ def attend_runs_cpu(q, k, v, lens=None, scale=None, tail=1):
     tail = T > 1: a speculative verify, M = G * T queries ordered g * T + i (token i), the last T
     of a row's keys its new tokens, which query i sees up to its own (attend_runs_ref).
     -> (out (B, H_kv, M, D) float32, lse (B, H_kv, M) float32), a query with no key giving zeros
-    and -inf. Up to 8 queries over fewer than DECODE_BLOCKS_FROM keys: one pass with them in
-    registers; a verify, more queries or a longer lane: blocks of keys for all of them (BLOCKS). None without the kernel or where it has no instance (decode: D not
-    in 32, 64, 128; blocks: D not a multiple of the vector width, 8 or 16 floats): the caller
-    runs SDPA, or for a verify its two-part path."""
+    and -inf. The path is run_path's: a decode step's few queries through Few or the one pass
+    with them in registers, a verify or more queries in blocks of keys for all of them. None
+    without the kernel or where it has no instance (decode: D not in 32, 64, 128; blocks: D not
+    a multiple of the vector width, 8 or 16 floats): the caller runs SDPA, or for a verify its
+    two-part path."""
     ext = cpu_kernel()
     D = q.shape[-1]
     if (ext is None or q.is_cuda or any(t.stride(-1) != 1 or t.stride(-2) != D for t in (k, v))
@@ -239,7 +240,7 @@ def attend_lanes_cpu(q, k_pool, v_pool, layer, first, size, T, lens=None):
     (the caller takes that path). One C++ call where the views cost about ten ops a layer."""
     ext, D = cpu_kernel(), q.shape[-1]
     if (ext is None or q.is_cuda or q.dtype != torch.float32 or not q.is_contiguous()
-            or k_pool.dtype != torch.float32):  # a bf16 pool: q rounds to it first (the views' path)
+            or k_pool.dtype != torch.float32):  # a bf16 pool: q is rounded to it (the views' path)
         return None
     path = run_path(q.shape[1] // k_pool.shape[1], D, T, 1, getattr(ext, "lanes", 8))
     res = ext.attend_lanes(q, k_pool, v_pool, layer, first, size, T, lens, D ** -0.5, path)
