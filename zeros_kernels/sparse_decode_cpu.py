@@ -240,7 +240,8 @@ def attend_lanes_cpu(q, k_pool, v_pool, layer, first, size, T, lens=None):
     (the caller takes that path). One C++ call where the views cost about ten ops a layer."""
     ext, D = cpu_kernel(), q.shape[-1]
     if (ext is None or q.is_cuda or q.dtype != torch.float32 or not q.is_contiguous()
-            or k_pool.dtype != torch.float32):  # a bf16 pool: q is rounded to it (the views' path)
+            or k_pool.dtype != torch.float32  # a bf16 pool: q is rounded to it (the views' path)
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
         return None
     path = run_path(q.shape[1] // k_pool.shape[1], D, T, 1, getattr(ext, "lanes", 8))
     res = ext.attend_lanes(q, k_pool, v_pool, layer, first, size, T, lens, D ** -0.5, path)
@@ -250,9 +251,12 @@ def attend_lanes_cpu(q, k_pool, v_pool, layer, first, size, T, lens=None):
 def write_tokens_cpu(k_pool, v_pool, layer, k, v, dst):
     """The new tokens' K and V (B, H_kv, T, D) float32 into slots dst (B * T,) int64 (token t of
     row b: dst[b * T + t]) of `layer` of k_pool, v_pool (L, H_kv, N, D): kvcache's two
-    index_copy_ calls in one C++ call. -> False where the kernel is missing (nothing written)."""
+    index_copy_ calls in one C++ call. -> False where it does not apply (no kernel, another
+    dtype, a pool that is not contiguous): nothing written, the caller's index_copy_ runs."""
     ext = cpu_kernel()
-    if ext is None or k.is_cuda or k.dtype != torch.float32 or dst.dtype != torch.long:
+    if (ext is None or k.is_cuda or k.dtype != torch.float32 or dst.dtype != torch.long
+            or k_pool.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
         return False
     ext.write_tokens(k_pool, v_pool, layer, k, v, dst)
     return True
