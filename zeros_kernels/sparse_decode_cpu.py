@@ -32,8 +32,8 @@ What it does:
        the path that reads its shape fastest (run_path): `Few` transposes each block of 16 keys
        in the registers, so every vector lane scores a key (in blocks the G = 2 queries fill 2
        lanes of 16; `Online` sums across the lanes for every key), at head dim 32; `Online` at 64
-       and 128 on AVX-512. Each 2-3.6x faster a key than the blocks that long lanes took before
-       (`python -m zeros_kernels.sparse_decode_cpu`); FEW = False gives that rule back.
+       and 128 on AVX-512. 1.7x and 3.4-3.6x faster a key than the blocks that long lanes took
+       before (`python -m zeros_kernels.sparse_decode_cpu`); FEW = False gives that rule back.
     6. attend_lanes_cpu and write_tokens_cpu: a decode step's lanes read, and its new tokens'
        K and V written, straight from the pool's shape and offsets: the engine's step calls each
        once a layer in place of about twenty small ops (views, index_copy_, casts) around
@@ -77,14 +77,15 @@ BLOCKS = True
 DECODE_BLOCKS_FROM = 512
 
 
-# a dense decode step on the lanes (at most 4 queries a KV head) takes the fastest of the three
-# paths for its shape (`run_path`, from `python -m zeros_kernels.sparse_decode_cpu` on an AMD EPYC
-# with AVX-512): `Few` (a block of keys transposed in the registers, every lane scoring a key) at
-# head dim 32, 8.4-10 ns a key against one-pass `Online`'s 10.8-11.8 and the blocks' 21-24;
-# `Online` at 64 and 128 (its sum across one 16-float register is cheap there: 14-45 ns a key
-# against Few's 16-88 and the blocks' 40-163). Where a vector holds 8 floats (AVX2) `Online`'s sum
-# spans two registers and Few takes every head dim (not measured there). False: the rule before
-# these measurements, blocks from DECODE_BLOCKS_FROM keys (the kernel bench's "before" arm)
+# a dense decode step on the lanes (at most 4 queries a KV head) takes a path by head dim
+# (`run_path`; `python -m zeros_kernels.sparse_decode_cpu` times all three, on an AMD EPYC with
+# AVX-512, lanes of 1K-4K keys read from memory): `Few` (a block of keys transposed in the
+# registers, every lane scoring a key) at head dim 32, 14.3-18.5 ns a key against one-pass
+# `Online`'s 14.0-16.8 (as fast, from memory) and the blocks' 25.3-30.5;
+# `Online` at 128, 51-57 ns against Few's 104-109 and the blocks' 186-194 (its sum across one
+# 16-float register is cheap there). Where a vector holds 8 floats (AVX2) `Online`'s sum spans two
+# registers and Few takes every head dim (not measured there). False: the rule before, blocks from
+# DECODE_BLOCKS_FROM keys
 FEW = True
 
 # attend_runs' paths (sparse_decode_cpu.cpp's kOnline, kBlocks, kFew)
@@ -253,10 +254,12 @@ def write_tokens_cpu(k_pool, v_pool, layer, k, v, dst):
     row b: dst[b * T + t]) of `layer` of k_pool, v_pool (L, H_kv, N, D): kvcache's two
     index_copy_ calls in one C++ call. -> False where it does not apply (no kernel, another
     dtype, a pool that is not contiguous): nothing written, the caller's index_copy_ runs."""
+    if (k.is_cuda or k.dtype != torch.float32 or dst.dtype != torch.long  # before the kernel:
+            or k_pool.dtype not in (torch.float32, torch.bfloat16, torch.float16)  # a GPU run
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous())):  # never builds it
+        return False
     ext = cpu_kernel()
-    if (ext is None or k.is_cuda or k.dtype != torch.float32 or dst.dtype != torch.long
-            or k_pool.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+    if ext is None:
         return False
     ext.write_tokens(k_pool, v_pool, layer, k, v, dst)
     return True
@@ -282,35 +285,36 @@ def attend_runs_ref(q, k, v, lens=None, scale=None, tail=1):
 
 
 def _bench(B=8, T=9, contexts=(1024, 2048, 4096), shapes=((2, 2, 32), (8, 2, 128)), rounds=5):
-    """ns per cached key and KV head, 1 thread: a decode step's G queries (run_path's choice, and
-    the rule before it: blocks at these lengths) against a verify's G * T, in blocks and in the
-    decode kernel's chunks of 8 (its path before: its cached part only, the T x T part apart); K
-    and V fp32 in lanes, 64 MB of them (layers), read from memory."""
+    """ns per cached key and KV head, 1 thread: a decode step's G queries through each of the
+    three paths (Few, the one pass, blocks; `*` marks run_path's pick) against a verify's G * T,
+    in blocks and in the one-pass kernel's chunks of 8 (its path before the blocks: its cached
+    part only, the T x T part apart); K and V fp32 in lanes, 64 MB of them (layers), read from
+    memory."""
     torch.set_num_threads(1)
-    global BLOCKS, FEW
+    ext = cpu_kernel()
     for H, G, D in shapes:
         for n in contexts:
             L = max(1, (64 << 20) // (2 * B * H * n * D * 4))  # layers that make 64 MB of K and V
             kv = [[torch.randn(H, B, n + 64, D).transpose(0, 1) for _ in "kv"] for _ in range(L)]
-            lens = torch.full((B,), n)
+            lens = torch.full((B,), n, dtype=torch.int32)
             q1, qT = torch.randn(B, H, G, D), torch.randn(B, H, G * T, D)
-            # (queries, new tokens, tail, FEW, BLOCKS)
-            arms = {"decode": (q1, 0, 1, True, True), "decode, before": (q1, 0, 1, False, True),
-                    "verify, blocks": (qT, T, T, True, True),
-                    "verify, chunks": (qT, 0, 1, True, False)}
+            # (queries, new tokens, tail, path)
+            arms = {"decode, Few": (q1, 0, 1, FEW_PATH), "decode, one pass": (q1, 0, 1, ONLINE),
+                    "decode, blocks": (q1, 0, 1, BLOCK_PATH),
+                    "verify, blocks": (qT, T, T, BLOCK_PATH), "verify, chunks": (qT, 0, 1, ONLINE)}
             best = dict.fromkeys(arms, math.inf)
             for _ in range(rounds):  # the arms take turns: a machine's load hits them all
-                for arm, (q, new, tail, FEW, BLOCKS) in arms.items():
+                for arm, (q, new, tail, path) in arms.items():
                     t0 = time.perf_counter()
                     for k, v in kv:
-                        k, v = k[:, :, :n + new], v[:, :, :n + new]
-                        attend_runs_cpu(q, k, v, lens + new, tail=tail)
+                        ext.attend_runs(q, k[:, :, :n + new], v[:, :, :n + new], lens + new,
+                                        D ** -0.5, tail, path)
                     best[arm] = min(best[arm], (time.perf_counter() - t0) / (L * B * H * n))
-            FEW = BLOCKS = True
+            pick = {FEW_PATH: "decode, Few", ONLINE: "decode, one pass",
+                    BLOCK_PATH: "decode, blocks"}[run_path(G, D, n, 1, ext.lanes)]
             print(f"H_kv {H}, G {G}, D {D}, {n} keys: " + ", ".join(
-                f"{a} {t * 1e9:.1f} ns" for a, t in best.items())
-                + f"; decode, before / decode {best['decode, before'] / best['decode']:.2f}x"
-                + f"; verify / decode {best['verify, blocks'] / best['decode']:.2f}x")
+                f"{a}{'*' if a == pick else ''} {t * 1e9:.1f} ns" for a, t in best.items())
+                + f"; verify / decode {best['verify, blocks'] / best[pick]:.2f}x")
 
 
 if __name__ == "__main__":
