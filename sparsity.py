@@ -19,7 +19,7 @@ How a decode step picks the KV pages it reads, per sequence and per KV head:
     4. `select_pages` keeps the first `keep_first` pages (attention sinks), the last `keep_recent`
        pages and the partial last page, then fills the rest of the budget with the best-scored
        pages. Its output is what `zeros_kernels.block_sparse_decode.decode_attention` takes: LOGICAL page
-       ids, padded, and a count. On a CPU, `zeros_kernels.block_sparse_decode.select_pages_cpu` does
+       ids, padded, and a count. On a CPU, `zeros_kernels.sparse_decode_cpu.select_pages_cpu` does
        steps 2 to 4 in one C++ call, the metadata read in place (the same pages, ties aside).
 
 Simplifications:

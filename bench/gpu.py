@@ -75,7 +75,8 @@ from bench.common import _Ids, best_of, hardware  # noqa: E402
 from bench.cost import machine_rates, model_shape as cost_shape, rollout_cost  # noqa: E402
 from config import parse_config  # noqa: E402
 from zeros_kernels.block_sparse_decode import (  # noqa: E402
-    _bytes_read, _make_problem, block_sparse_decode, block_sparse_decode_ref)
+    block_sparse_decode, block_sparse_decode_ref)
+from zeros_kernels.block_sparse_bench import bytes_read, make_problem  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from rollout import Engine  # noqa: E402
 from sparsity import fraction_budget, nm_mask  # noqa: E402
@@ -101,7 +102,7 @@ def correctness(dev, quick):
     """(a): rows of the kernel's max abs error against the reference, per dtype."""
     shape = (2, 2, 2, 16, 8, 64, 3) if quick else (8, 8, 2, 128, 16, 4096, 32)
     for dtype, tol in TOLERANCE.items():
-        p = _make_problem(*shape, dtype, dev)
+        p = make_problem(*shape, dtype, dev)
         err = (block_sparse_decode(*p).float() - block_sparse_decode_ref(*p).float()).abs().max()
         yield (f"| (a) kernel vs reference, {str(dtype)[6:]} | max abs err {err.item():.2e} | "
                f"tolerance {tol:g} | {'ok' if err.item() <= tol else 'FAIL'} |")
@@ -134,8 +135,8 @@ def kernel_vs_dense(dev, quick):
         # pages of 16 tokens at the least: compiled flex on the CPU (torch 2.13) reads a KV block
         # of 8 wrong, about 2 off the reference
         B, H_kv, G, D, P = (1, 2, 2, 16, 16) if quick else (16, 8, 2, 128, 16)
-        p = _make_problem(B, H_kv, G, D, P, ctx, max(4, ctx // P // 8), dtype, dev)
-        q, read = p[0], _bytes_read(p[1], *p[3:])  # K and V bytes of the selected pages
+        p = make_problem(B, H_kv, G, D, P, ctx, max(4, ctx // P // 8), dtype, dev)
+        q, read = p[0], bytes_read(p[1], *p[3:])  # K and V bytes of the selected pages
         kc, vc, mask, qg = flex_inputs(*p)
         ref = block_sparse_decode_ref(*p).float()
         flex_err = (flex(qg, kc, vc, block_mask=mask).reshape(ref.shape).float() - ref).abs().max()
