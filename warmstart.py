@@ -36,7 +36,11 @@ Simplifications:
     2. The SFT loop is plain: one AdamW, warmup then cosine over sft_steps, no packing, no
        evaluation. With sft_loss it stops at that loss (the mean of the last SFT_WINDOW steps)
        or at sft_steps, whichever comes first, and the entry records which (sft_fit.json).
-    3. "The Hub can be reached" is a TCP connection to its host within 3 seconds (hub_reachable;
+    3. On a CPU, while a kernel build that train.py started is under way (a fresh machine's
+       first run), SFT runs on one thread and leaves the other cores to the compiler; then on
+       all of them again. Its sums split alike at 1 and 2 threads (the weights after 100 steps
+       agree to the bit on the CPU we checked), so the warm start does not depend on it.
+    4. "The Hub can be reached" is a TCP connection to its host within 3 seconds (hub_reachable;
        through a proxy it is assumed). Without a network a Hub dataset is read from the cache only
        in datasets' offline mode (HF_DATASETS_OFFLINE=1), which the error says; a Hub model is
        looked up in the cache either way.
@@ -66,6 +70,7 @@ from model import ModelConfig, Transformer
 from tasks import (ALIGN, build_char_tokenizer, end_ids, is_lagged, lagged_trace, load_gsm8k,
                    load_math, load_mbpp, sft_problems, sft_seed, synthetic_trace)
 from update import build_batch, token_logprobs
+from zeros_kernels.cpu_ext import building
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PROGRESS_EVERY_S = 60.0  # how often an SFT in progress saves what it has done (seconds)
@@ -376,8 +381,11 @@ def sft(cfg, model, tok, dev, log, rank, key, path):
     bar = rank == 0 and sys.stderr.isatty()  # in a file a bar is one endless line: a terminal only
     t0 = shown = saved = time.perf_counter()
     loss, recent, done = None, collections.deque(maxlen=SFT_WINDOW), start
+    threads = torch.get_num_threads()
     for step in tqdm(range(start, n), desc="sft", disable=not bar, dynamic_ncols=True,
                      initial=start, total=n):
+        if threads > 1 and dev.type == "cpu":  # a core for a kernel's build (simplification 3)
+            torch.set_num_threads(1 if building() else threads)
         batch = data[step * cfg.sft_batch:(step + 1) * cfg.sft_batch]
         p_ids = [tok.encode(p.prompt, add_special_tokens=False) for p in batch]
         c_ids = [torch.tensor(sft_target(tok, p, cfg, rng)) for p in batch]
@@ -408,6 +416,7 @@ def sft(cfg, model, tok, dev, log, rank, key, path):
                 f"{len(recent)}: {sum(recent) / len(recent):.4f}), {duration(now - t0)} elapsed, "
                 f"{'at most' if cfg.sft_loss else 'about'} {duration(left)} left")
             shown = now
+    torch.set_num_threads(threads)
     mean = sum(recent) / len(recent) if recent else None
     result = {"steps": done, "loss": mean if cfg.sft_loss else loss and loss.item(),
               "target": cfg.sft_loss,

@@ -79,7 +79,8 @@ def main(argv):
                         "steadier than several that wait on each other")
     p.add_argument("--jobs", type=int, default=1,
                    help="sparrow, recipe: training runs at a time, each in its own process at "
-                        "--threads (0: run none, only tabulate the runs recorded so far)")
+                        "--threads (0: run none, only tabulate the runs recorded so far); demo: "
+                        "seeds at once, each in its own process")
     p.add_argument("--config", default="",
                    help="sparrow: the config its arms train on (default configs/lagged.py; "
                         "configs/splitting.py is the second task family), its own block of "
@@ -108,6 +109,8 @@ def main(argv):
         extra = {"variants": args.variants, "jobs": args.jobs,
                  "runs": os.path.join(section.RUNS, args.records)}
         block += f"-{args.records}" if args.records else ""
+    if args.section == "demo":
+        extra = {"jobs": args.jobs}
     if args.section == "sparrow":
         extra = {"jobs": args.jobs, "variants": args.variants,
                  **({"config": args.config} if args.config else {})}

@@ -20,6 +20,7 @@ past what the warm start could sample: beyond the SFT range, RL's pass@1 beside 
 pass@64 (and RL's own pass@64), per difficulty (past_sampling).
 
     python -m bench demo --threads 1          # 3 seeds
+    python -m bench demo --threads 1 --jobs 3 # the seeds at once, each its own process
     python -m bench demo --quick              # seed 0, a few steps: a smoke run
 
 Simplifications:
@@ -36,8 +37,13 @@ Simplifications:
        held-out set.
     5. Greedy accuracy counts right answers only (a score of 1, heldout.py), as RFT keeps only
        those; the RL reward keeps reasoning-gym's partial credit.
+    6. --jobs N runs N seeds at once, each in a process of its own with --threads threads; the
+       seeds' figures are the same as one after another (each seed's warm start and draws are its
+       own), their wall seconds are not (the processes share the cores).
 """
 
+import concurrent.futures
+import multiprocessing
 import random
 import statistics
 import tempfile
@@ -180,16 +186,28 @@ def one_seed(seed, quick, root):
     return cfg, accs, cost, spent
 
 
+def in_processes(fn, items, jobs, *args):
+    """[fn(item, *args) for item in items], in order, up to `jobs` at once, each in a process of
+    its own at this process's torch threads (spawned: a forked child would inherit torch's thread
+    pool); one after another here when jobs <= 1."""
+    if jobs <= 1 or len(items) <= 1:
+        return [fn(x, *args) for x in items]
+    with concurrent.futures.ProcessPoolExecutor(
+            min(jobs, len(items)), mp_context=multiprocessing.get_context("spawn"),
+            initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
+        return list(pool.map(fn, items, *([a] * len(items) for a in args)))
+
+
 def spread(xs):
     m = statistics.mean(xs)
     return f"{m:.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{m:.3f}"
 
 
-def run(quick, cmd):
-    """-> the table, head included."""
+def run(quick, cmd, jobs=1):
+    """-> the table, head included. jobs: seeds run at once, each in its own process."""
     seeds = (0,) if quick else (0, 1, 2)
     root = tempfile.mkdtemp(prefix="zeros-bench-demo-")
-    results = [one_seed(s, quick, root) for s in seeds]
+    results = in_processes(one_seed, seeds, jobs, quick, root)
     cfg, spent = results[0][0], results[0][3]
     diffs = sorted({int(d) for _, a, _, _ in results for d in a["warm start"]})
     (lo, hi), (rl_lo, rl_hi) = spent["ranges"]

@@ -21,12 +21,16 @@ run logs an entropy figure (train.py: the mean -log p of the sampled tokens, nat
 at the start and the end.
 
 Simplifications:
-    1. Each run's figures go to bench/recipe_runs/<variant>-s<seed>.json with its arguments
-       (--quick: to a temporary folder); a run recorded with the same arguments is not run again,
-       so a sweep can be run in parts, and the table holds every variant recorded so far, losers
-       included. A change of code is not seen: delete the records to rerun them. The records of
-       an earlier default (120 steps, pass@k on 20 a bin) are kept apart in
-       bench/recipe_runs/earlier-120/, outside the table; RESULTS.md keeps their table. Another CPU
+    1. Each run's figures go to bench/recipe_runs/<variant>-s<seed>.json with its arguments and
+       its whole config (--quick: to a temporary folder); a run recorded with the same arguments
+       and config is not run again, so a sweep can be run in parts, and the table holds every
+       variant recorded so far, losers included. A record of the same arguments under another
+       config (the default has moved since) is refused, not overwritten: its folder belongs to
+       that default. A change of code is not seen: delete the records to rerun them. The records
+       of earlier defaults are kept apart, outside the table (RESULTS.md keeps their tables):
+       bench/recipe_runs/earlier-120/ (120 steps, pass@k on 20 a bin) and earlier-sft0.005/ (SFT
+       to loss 0.005 in at most 3,000 steps, one optimizer step a batch; its "mb4" is today's
+       baseline and its baseline today's mb1; ws-e291f640/ is of that default too). Another CPU
        builds other warm starts from the same settings (the last bits of its sums differ), and
        what RL does moves with them: --records NAME keeps such a set's runs in
        bench/recipe_runs/NAME/ (named ws-<the seed-0 warm start's weight checksum>), in a table
@@ -41,6 +45,7 @@ Simplifications:
        start's, on whatever else the machine was running: a guide, not a benchmark.
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -72,10 +77,11 @@ VARIANTS = {
     "t1.3": ("rollout temperature 1.3", ["--temperature=1.3"]),
     "steps200": ("twice the steps", ["--steps=200"]),
     "clip0.2": ("no clip-higher (clip_high = clip_low = 0.2)", ["--clip_high=0.2"]),
-    # one optimizer step a batch leaves the ratio at 1 and the clip idle (update.py's
-    # simplification 1): these take 4 steps a batch, on the same rollouts and compute
-    "mb4": ("4 optimizer steps a batch (minibatches 4): the clip binds", ["--minibatches=4"]),
-    "mb4-clip0.2": ("minibatches 4, no clip-higher", ["--minibatches=4", "--clip_high=0.2"]),
+    # the default takes 4 optimizer steps a batch (minibatches 4; the earlier folders' "mb4"). One
+    # step a batch leaves the ratio at 1 and the clip idle (update.py's simplification 1)
+    "mb1": ("one optimizer step a batch: the clip idle (the earlier default)", ["--minibatches=1"]),
+    "lr4e-4-mb1": ("twice the learning rate, one step a batch", ["--lr=4e-4", "--minibatches=1"]),
+    "mb8": ("8 optimizer steps a batch (minibatches 8)", ["--minibatches=8"]),
     "drgrpo": ("Dr. GRPO: advantages not divided by the group's std", ["--adv_norm=none"]),
     "uniform": ("uniform prompt sampling, not the growth zone", ["--sampler=uniform"]),
     "pooled-prior": ("each prompt's prior: its number of terms' pooled pass rate",
@@ -124,19 +130,31 @@ def figures(history, cfg):
             "verifier_calls": sum(r["rollouts"] for r in recs)}
 
 
+def settings(argv):
+    """A run's whole config as the record keeps it (JSON's types; out_dir aside): what decides
+    whether a record still stands for a variant once the default (configs/tiny.py) has moved."""
+    cfg = dataclasses.asdict(parse_config(argv))
+    cfg.pop("out_dir")
+    return json.loads(json.dumps(cfg))
+
+
 def one_run(name, seed, quick, root, runs):
-    """Run (or read the record of) one variant on one seed -> its figures."""
+    """Run (or read the record of) one variant on one seed -> its figures. A record made under
+    other settings (an earlier default) is not overwritten: its folder is that default's."""
     argv = [f"--seed={seed}", "--plot=false"] + (QUICK if quick else []) + VARIANTS[name][1]
     path = os.path.join(runs, f"{name}-s{seed}.json")
     if os.path.exists(path):
         with open(path) as f:
             rec = json.load(f)
-        if rec["argv"] == argv:
+        if rec["argv"] == argv and rec.get("settings") == settings(argv):
             print(f"recipe: {name} seed {seed}: recorded in {os.path.relpath(path)}")
             return rec["figures"]
+        if rec["argv"] == argv:
+            raise ValueError(f"bench recipe: {os.path.relpath(path)} was run under other settings "
+                             f"(an earlier default): run into a folder of its own, --records NAME")
     print(f"recipe: {name} seed {seed}: python train.py {' '.join(argv)}", flush=True)
     history = train.main(argv + [f"--out_dir={root}/{name}-s{seed}"])
-    rec = {"variant": name, "seed": seed, "argv": argv,
+    rec = {"variant": name, "seed": seed, "argv": argv, "settings": settings(argv),
            "figures": {**figures(history, parse_config(argv)), "hardware": hardware()}}
     os.makedirs(runs, exist_ok=True)
     with open(path + ".tmp", "w") as f:

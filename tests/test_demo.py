@@ -1,6 +1,7 @@
 """The embedded default as a demonstration: held-out problems never trained on, accuracy per difficulty
 (pass@1 and pass@k of the start, pass@1 after RL), example completions before and after, and a warm start
 cached by its settings rather than by the output folder."""
+import operator
 import os
 
 import torch
@@ -233,3 +234,33 @@ def test_the_warm_start_trains_until_its_loss_with_a_cap(tmp_path, monkeypatch):
     assert "sft_loss" not in warmstart.sft_key(plain)  # a config without a target keeps its key
     assert len({cache_path(c) for c in (easy, plain, config.parse_config(
         TINY_RUN + ["--sft_steps=200", "--sft_loss=0.01"]))}) == 3
+
+
+def test_the_seeds_run_in_processes_of_their_own_in_order():
+    from bench import demo
+    # bench demo --jobs N: each seed in a spawned process, the results in the seeds' order
+    assert demo.in_processes(operator.mul, [1, 2, 3], 2, 10) == [10, 20, 30]
+    assert demo.in_processes(operator.mul, [1, 2, 3], 1, 10) == [10, 20, 30]
+
+
+def test_sft_leaves_a_core_to_a_kernel_build_under_way(tmp_path, monkeypatch):
+    # a fresh machine compiles the decode kernels beside the warm start: while a build is under
+    # way SFT runs on one thread (the compiler takes the other core), then on all of them again
+    import warmstart
+    from tasks import build_char_tokenizer
+    monkeypatch.setenv("ZEROS_CACHE", str(tmp_path / "cache"))
+    tok, cpu = build_char_tokenizer(str(tmp_path / "tok")), torch.device("cpu")
+    cfg = config.parse_config(TINY_RUN + ["--sft_steps=6"])
+    under_way, seen = [True, True, True], []
+    monkeypatch.setattr(warmstart, "building", lambda: bool(under_way) and under_way.pop())
+    real = warmstart.token_logprobs
+    monkeypatch.setattr(warmstart, "token_logprobs", lambda *a, **k: (
+        seen.append(torch.get_num_threads()), real(*a, **k))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        warmstart.warm_start(cfg, tok, cpu, lambda s: None)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1, 1, 2, 2, 2] and after == 2

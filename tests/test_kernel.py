@@ -13,6 +13,7 @@ import importlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -501,6 +502,30 @@ def test_a_prefetched_build_runs_once_and_load_waits_for_it(monkeypatch):
     assert got == ["module k"] and cpu_ext.load_cpu_ext("k") == "module k" and calls == ["k"]
     cpu_ext.prefetch_cpu_ext("k")  # built: nothing starts
     assert calls == ["k"]
+
+
+def test_prefetched_builds_run_one_after_another_at_the_lowest_priority(monkeypatch):
+    """Two builds at full priority beside the warm start's SFT (two torch threads on two cores)
+    slowed it four times: prefetch_cpu_ext builds its kernels in one thread, one at a time, at
+    nice 19 (Linux: the thread's own), so SFT keeps its cores."""
+    import threading
+    from zeros_kernels import cpu_ext
+    monkeypatch.setattr(cpu_ext, "_BUILDS", {})
+    seen, live = [], []
+
+    def compile_(name):
+        live.append(name)
+        seen.append((name, threading.get_ident(), os.getpriority(os.PRIO_PROCESS, 0), len(live)))
+        time.sleep(0.05)
+        live.remove(name)
+        return f"module {name}"
+    monkeypatch.setattr(cpu_ext, "_compile", compile_)
+    cpu_ext.prefetch_cpu_ext("a", "b")
+    assert cpu_ext.load_cpu_ext("b") == "module b" and cpu_ext.load_cpu_ext("a") == "module a"
+    assert [s[0] for s in seen] == ["a", "b"]  # in order, each built once
+    assert len({s[1] for s in seen}) == 1 and threading.get_ident() != seen[0][1]  # one thread
+    assert all(s[3] == 1 for s in seen)  # never two at once
+    assert all(s[2] == 19 for s in seen) and os.getpriority(os.PRIO_PROCESS, 0) < 19  # only it
 
 
 def test_a_build_that_raises_reaches_its_waiters(monkeypatch):

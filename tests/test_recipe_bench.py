@@ -2,6 +2,7 @@
 past SFT's range against the warm start's pass@k there. Every variant changes keys config.py has;
 --quick runs in seconds; a run recorded with the same arguments is read, not run again; the table
 ranks by the margin and counts the seeds where RL reaches the warm start's pass@k."""
+import json
 import os
 import pytest
 
@@ -56,6 +57,15 @@ def test_quick_runs_each_variant_once_and_the_filter_refuses_unknown_names(tmp_p
     assert "recorded in" in capsys.readouterr().out
     assert recipe.recorded(runs, True) == {"baseline": {0: first}}
     assert recipe.recorded(runs, False) == {}  # a full sweep's table leaves quick runs out
+    path = os.path.join(runs, "baseline-s0.json")  # the default moves under a record: refused
+    with open(path) as f:
+        rec = json.load(f)
+    assert rec["settings"]["lr"] == recipe.parse_config([]).lr
+    rec["settings"]["lr"] *= 2
+    with open(path, "w") as f:
+        json.dump(rec, f)
+    with pytest.raises(ValueError, match="other settings"):
+        recipe.one_run("baseline", 0, True, str(tmp_path / "out"), runs)
     empty = str(tmp_path / "none")
     assert recipe.run(False, "cmd", "", runs=empty, jobs=0) == ["(no runs recorded yet)"]
     with pytest.raises(ValueError, match="no variant nope"):

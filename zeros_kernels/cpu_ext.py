@@ -7,9 +7,10 @@ first use, cached by torch), and how to do without them.
 
 The first build of a kernel compiles torch's headers: one to three minutes of one core on a fresh
 machine. train.py starts the decode kernels' builds (attention, sparse_decode_cpu, and the
-layers around it, layer_cpu: every CPU run uses both) in background threads before the warm
-start trains, so that on a first run the compile overlaps SFT; the first
-load_cpu_ext of a kernel whose build is under way waits for it. linear_cpu builds on first use,
+layers around it, layer_cpu: every CPU run uses both) in a background thread before the warm
+start trains, one kernel after another at the lowest priority, and SFT runs on one thread
+while they build, so that on a first run the compile takes one core beside SFT instead of
+fighting it for both; the first load_cpu_ext of a kernel whose build is under way waits for it. linear_cpu builds on first use,
 where it runs (AVX-512 and a model of hidden size 256 or more).
 
 Each kernel is a fast path with a PyTorch reference beside it (tests check that the two agree), so
@@ -74,35 +75,62 @@ def load_cpu_ext(name):
     """zeros_kernels/<name>.cpp built as a torch extension (about a minute the first time; torch caches
     the build), or None: ZEROS_CPU_KERNEL=0, or no C++ compiler or ninja (a warning says why). A
     build that prefetch_cpu_ext started is waited for, not started again."""
-    return _build(name, wait=True)
+    return _build(name)
 
 
 def prefetch_cpu_ext(*names):
-    """Start building each named kernel in a background thread and return at once; nothing
-    happens for one already built or under way, or with ZEROS_CPU_KERNEL=0."""
-    if os.environ.get("ZEROS_CPU_KERNEL", "1") != "0":
-        for name in names:
-            _build(name, wait=False)
+    """Start building the named kernels in one background thread, one after another, and return
+    at once; nothing happens for one already built or under way, or with ZEROS_CPU_KERNEL=0. The
+    thread and the compilers it starts run at the lowest priority (Linux: a thread's own nice
+    value), on the core the warm start's SFT leaves them while `building()` (two builds at full
+    priority beside SFT's two threads slowed SFT four times)."""
+    if os.environ.get("ZEROS_CPU_KERNEL", "1") == "0":
+        return
+    mine = [(name, fut) for name in names for fut, first in [_claim(name)] if first]
+    if not mine:
+        return
+
+    def run():
+        try:
+            os.nice(19)  # this thread only, on Linux; a child process inherits it
+        except (AttributeError, OSError):
+            pass
+        for name, fut in mine:
+            _run(name, fut)
+    threading.Thread(target=run, name="build kernels", daemon=True).start()
 
 
-def _build(name, wait):
-    """One build per kernel and process: the first caller starts it (here, or in a daemon thread
-    when not `wait`); every caller with `wait` gets its result."""
+def building():
+    """Whether a kernel build is under way in this process (prefetch_cpu_ext's, typically): the
+    warm start's SFT leaves a core to it meanwhile (warmstart.sft)."""
     with _LOCK:
-        fut, first = _BUILDS.get(name), name not in _BUILDS
+        return any(not f.done() for f in _BUILDS.values())
+
+
+def _claim(name):
+    """-> (the Future of name's build, whether this caller is the first and must run it)."""
+    with _LOCK:
+        first = name not in _BUILDS
         if first:
-            fut = _BUILDS[name] = concurrent.futures.Future()
+            _BUILDS[name] = concurrent.futures.Future()
+        return _BUILDS[name], first
+
+
+def _run(name, fut):
+    """Build name into fut: its module, or the exception for its waiters (rather than a hang)."""
+    try:
+        fut.set_result(_compile(name))
+    except BaseException as e:
+        fut.set_exception(e)
+
+
+def _build(name):
+    """One build per kernel and process: the first caller runs it (here, or prefetch_cpu_ext's
+    thread has); every caller gets its result."""
+    fut, first = _claim(name)
     if first:
-        def run():
-            try:
-                fut.set_result(_compile(name))
-            except BaseException as e:  # a waiter gets it rather than waiting forever
-                fut.set_exception(e)
-        if wait:
-            run()
-        else:
-            threading.Thread(target=run, name=f"build {name}", daemon=True).start()
-    return fut.result() if wait else None
+        _run(name, fut)
+    return fut.result()
 
 
 def _compile(name):
