@@ -192,7 +192,7 @@ def test_train_on_replays_per_mode_and_adds_the_balance_loss(monkeypatch):
     for mode, want in (("off", {(True, False)}), ("logprob", {(False, True), (True, False)}),
                        ("update", {(True, True)})):
         cfg = parse_config(["--micro_batch=4", f"--router_replay={mode}", "--moe_aux_coef=0.01",
-                            "--lr=1e-3"])
+                            "--lr=1e-3", "--minibatches=1"])  # one optimizer step: no old forward
         seen.clear()
         out = update.train_on(cfg, copy.deepcopy(m), torch.optim.SGD(m.parameters(), lr=0.0),
                               ids, tmask, adv, 1, roll, routes=routes)
