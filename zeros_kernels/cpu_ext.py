@@ -10,8 +10,8 @@ machine. train.py starts the decode kernels' builds (attention, sparse_decode_cp
 layers around it, layer_cpu: every CPU run uses both) in a background thread before the warm
 start trains, one kernel after another at the lowest priority, and SFT runs on one thread
 while they build, so that on a first run the compile takes one core beside SFT instead of
-fighting it for both; the first load_cpu_ext of a kernel whose build is under way waits for it. linear_cpu builds on first use,
-where it runs (AVX-512 and a model of hidden size 256 or more).
+fighting it for both; the first load_cpu_ext of a kernel whose build is under way waits for it.
+linear_cpu builds on first use, where it runs (AVX-512 and a model of hidden size 256 or more).
 
 Each kernel is a fast path with a PyTorch reference beside it (tests check that the two agree), so
 a machine without a C++ compiler or ninja runs the reference and says so once, in a warning.
