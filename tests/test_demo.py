@@ -241,6 +241,8 @@ def test_the_seeds_run_in_processes_of_their_own_in_order():
     # bench demo --jobs N: each seed in a spawned process, the results in the seeds' order
     assert demo.in_processes(operator.mul, [1, 2, 3], 2, 10) == [10, 20, 30]
     assert demo.in_processes(operator.mul, [1, 2, 3], 1, 10) == [10, 20, 30]
+    pids = demo.in_processes(operator.call, [os.getpid, os.getpid], 2)
+    assert os.getpid() not in pids  # each ran in a process of its own, not here
 
 
 def test_sft_leaves_a_core_to_a_kernel_build_under_way(tmp_path, monkeypatch):
